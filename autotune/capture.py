@@ -1,0 +1,87 @@
+"""Recording what a model and its modules are called with, so tuning can run them without the user's data."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autotune.backends import CallInputs
+from autotune.errors import EvalFunctionError
+from autotune.tree import map_tensors
+
+
+def detach_clone(value: Any) -> Any:
+    return map_tensors(value, lambda t: t.detach().clone())
+
+
+class _Captured(BaseException):
+    """Unwinds eval_fn once the first batch is recorded (BaseException so a user's `except Exception` lets it by)."""
+
+
+def as_call_inputs(example_inputs: Any) -> CallInputs:
+    """Accepts a tensor, a tuple of positional args, a dict of keyword args or an (args, kwargs) pair."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if (isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[0], tuple)
+            and isinstance(example_inputs[1], dict)):
+        return example_inputs
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(f"example_inputs must be a tensor, tuple, dict or (args, kwargs); got {type(example_inputs)}")
+
+
+def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool) -> tuple[Any, CallInputs]:
+    """Calls eval_fn(model) and records the first batch the model sees.
+
+    With stop_early, eval_fn is abandoned right after that first batch (used when its result is already known).
+    Returns (eval_fn's return value or None, the recorded inputs).
+    """
+    recorded: list[CallInputs] = []
+
+    def hook(module, args, kwargs):
+        if not recorded:
+            recorded.append((detach_clone(args), detach_clone(kwargs)))
+            if stop_early:
+                raise _Captured
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    result = None
+    try:
+        result = eval_fn(model)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not recorded:
+        raise EvalFunctionError("eval_fn never called the model it was given, so no example inputs could be "
+                                "captured; call the model inside eval_fn or pass example_inputs")
+    return result, recorded[0]
+
+
+def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:
+    """One forward pass on `inputs`; returns what each named submodule was first called with."""
+    recorded: dict[str, CallInputs] = {}
+    handles = []
+    for name in names:
+        def hook(module, args, kwargs, name=name):
+            recorded.setdefault(name, (detach_clone(args), detach_clone(kwargs)))
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            call(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorded
+
+
+def call(model: nn.Module, inputs: CallInputs) -> Any:
+    args, kwargs = inputs
+    return model(*args, **kwargs)
+
+
+def to_device(inputs: Any, device: torch.device) -> Any:
+    return map_tensors(inputs, lambda t: t.to(device))

@@ -1,0 +1,102 @@
+"""Tuning configuration: the pydantic models behind both the Python API and YAML files.
+
+Shaped like Intel Neural Compressor's `TuningConfig(config_set=[...], tolerable_loss=..., max_trials=...)`
+so its users can switch with few edits; additions are per-module include/exclude patterns, absolute or relative
+tolerance, lower-is-better metrics and a persistent Optuna storage.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from autotune.errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16", "int8")
+Dtype = Literal["fp32", "bf16", "fp16", "int8"]
+DEFAULT_STUDIES_DIR = Path("studies")
+DEFAULT_STORAGE = f"sqlite:///{DEFAULT_STUDIES_DIR}/autotune.db"
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, (str, BaseModel, dict)) else value
+
+
+class StrictModel(BaseModel):
+    """Rejects unknown fields; turns pydantic's error into ConfigError naming each bad field."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, type(self).__name__) from None
+
+    @classmethod
+    def from_mapping(cls, data: Any):
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, cls.__name__) from None
+
+
+class MixedPrecisionConfig(StrictModel):
+    """Which dtypes may be tried, on which modules. Patterns are fnmatch globs on dotted module names."""
+
+    dtype: list[Dtype] = Field(default_factory=lambda: ["int8", "bf16", "fp32"], min_length=1)
+    module_types: list[str] = Field(
+        default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d"], min_length=1,
+        description="class names (or dotted import paths) of the modules to tune")
+    include: list[str] = Field(default_factory=list, description="only modules matching one of these")
+    exclude: list[str] = Field(default_factory=list, description="never modules matching one of these")
+
+    _single_to_list = field_validator("dtype", "module_types", "include", "exclude", mode="before")(
+        lambda value: _as_list(value))
+
+    @field_validator("dtype")
+    @classmethod
+    def _dedupe(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+
+class TuningConfig(StrictModel):
+    config_set: list[MixedPrecisionConfig] = Field(
+        default_factory=lambda: [MixedPrecisionConfig()], min_length=1,
+        description="one config or a list; a module may take any dtype of every config that matches it")
+    tolerable_loss: float = Field(0.01, ge=0)
+    loss_kind: Literal["relative", "absolute"] = "relative"
+    higher_is_better: bool = True
+    max_trials: int = Field(40, ge=1, description="evaluated trials (eval_fn calls) in the study, resumes included")
+    patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
+    timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
+    study_name: str | None = Field(None, min_length=1, description="default: derived from model and search space")
+    storage: str = Field(DEFAULT_STORAGE, min_length=1, description="Optuna storage URL")
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = Field(None, ge=1, description="threads while measuring; default: torch's current")
+    warmup: int = Field(3, ge=0)
+    repeats: int = Field(15, ge=3)
+
+    _single_to_list = field_validator("config_set", mode="before")(lambda value: _as_list(value))
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        import torch
+        try:
+            torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(f"not a torch device: {value!r}") from exc
+        return value
+
+    def accuracy_loss(self, baseline: float, accuracy: float) -> float:
+        """How much worse `accuracy` is than `baseline`, in the configured kind; negative means better."""
+        drop = baseline - accuracy if self.higher_is_better else accuracy - baseline
+        if self.loss_kind == "absolute":
+            return drop
+        return drop / abs(baseline) if baseline != 0 else (0.0 if drop <= 0 else float("inf"))
+
+    def passes(self, baseline: float, accuracy: float) -> bool:
+        return self.accuracy_loss(baseline, accuracy) <= self.tolerable_loss

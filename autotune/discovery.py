@@ -1,0 +1,56 @@
+"""Finds the modules a configuration allows to tune, and the dtypes each may take."""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from autotune.config import MixedPrecisionConfig
+from autotune.errors import ConfigError, NoTunableModulesError
+
+
+def _type_matches(module: nn.Module, type_names: list[str]) -> bool:
+    for cls in type(module).__mro__:
+        if cls.__name__ in type_names or f"{cls.__module__}.{cls.__qualname__}" in type_names:
+            return True
+    return False
+
+
+def _matches_any(name: str, patterns: list[str]) -> bool:
+    return any(fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) -> dict[str, list[str]]:
+    """Maps each tunable module name to its candidate dtypes (fp32 always included, as the fallback).
+
+    A module inside another tunable module is not tuned on its own: the outer one owns it.
+    """
+    names = [name for name, _ in model.named_modules()]
+    for index, mp in enumerate(config_set):
+        for field in ("include", "exclude"):
+            for pattern in getattr(mp, field):
+                if not any(fnmatchcase(name, pattern) for name in names):
+                    raise ConfigError(
+                        f"config_set.{index}.{field}: pattern {pattern!r} matches no module of "
+                        f"{type(model).__name__}", [(f"config_set.{index}.{field}", pattern)])
+
+    candidates: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if any(name.startswith(owner + ".") or owner == "" for owner in candidates):
+            continue
+        dtypes: list[str] = []
+        for mp in config_set:
+            if not _type_matches(module, mp.module_types):
+                continue
+            if mp.include and not _matches_any(name, mp.include):
+                continue
+            if _matches_any(name, mp.exclude):
+                continue
+            dtypes.extend(d for d in mp.dtype if d not in dtypes)
+        if dtypes:
+            candidates[name] = dtypes if "fp32" in dtypes else dtypes + ["fp32"]
+    if not candidates:
+        wanted = sorted({t for mp in config_set for t in mp.module_types})
+        raise NoTunableModulesError(
+            f"{type(model).__name__} has no module of the tunable types {wanted} left after include/exclude")
+    return candidates

@@ -1,0 +1,39 @@
+"""Every error the tuner raises on purpose derives from AutotuneError, so callers can catch one type."""
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Base class of the errors autotune raises on purpose."""
+
+
+class ConfigError(AutotuneError, ValueError):
+    """A configuration value is missing, unknown or out of range. `errors` holds (field path, message) pairs."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+    @classmethod
+    def from_validation(cls, exc, model_name: str) -> "ConfigError":
+        errors = []
+        for err in exc.errors():
+            path = ".".join(str(part) for part in err["loc"]) or model_name
+            errors.append((path, err["msg"]))
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
+        return cls(f"invalid {model_name}:\n{lines}", errors)
+
+
+class EvalFunctionError(AutotuneError):
+    """eval_fn is not callable, raised, or returned something that is not a finite number."""
+
+
+class NoTunableModulesError(AutotuneError):
+    """The model holds no module the configuration allows to be tuned."""
+
+
+class PlanError(AutotuneError, ValueError):
+    """A plan names modules the model does not have, or dtypes a module cannot take."""
+
+
+class StudyMismatchError(AutotuneError):
+    """An existing study was created for another model or search space."""

@@ -1,0 +1,76 @@
+"""Latency and weight size. Latencies are medians after warm-up, and variants compared are measured interleaved
+in one run, so drift on a shared machine hits all of them alike."""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from autotune.backends import CallInputs
+from autotune.capture import call
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    median_ms: float
+    spread_ms: float  # interquartile range
+    repeats: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextmanager
+def fixed_threads(num_threads: int | None) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _stats(samples_s: list[float]) -> LatencyStats:
+    ms = sorted(s * 1e3 for s in samples_s)
+    quartiles = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+    return LatencyStats(statistics.median(ms), quartiles[2] - quartiles[0], len(ms))
+
+
+def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
+                    warmup: int = 3, repeats: int = 15, num_threads: int | None = None,
+                    device: torch.device = torch.device("cpu")) -> dict[str, LatencyStats]:
+    """Times every model on its inputs (one shared input, or one per model), rounds interleaved."""
+    per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    with fixed_threads(num_threads), torch.inference_mode():
+        for name, model in models.items():
+            for _ in range(warmup):
+                call(model, per_model[name])
+        for round_index in range(repeats):
+            names = list(models)
+            names = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in names:
+                sync()
+                start = time.perf_counter()
+                call(models[name], per_model[name])
+                sync()
+                samples[name].append(time.perf_counter() - start)
+    return {name: _stats(times) for name, times in samples.items()}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers; packed kernels report their own (`weight_nbytes`)."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "weight_nbytes"):
+            total += module.weight_nbytes()
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

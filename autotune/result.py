@@ -1,0 +1,49 @@
+"""What `autotune` hands back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import optuna
+from torch import nn
+
+from autotune.measure import LatencyStats
+from autotune.plan import Plan, summarize
+
+
+@dataclass(frozen=True)
+class Measurement:
+    accuracy: float
+    latency: LatencyStats
+    weight_bytes: int
+
+
+@dataclass
+class TuningResult:
+    model: nn.Module
+    plan: Plan
+    baseline: Measurement
+    best: Measurement
+    study: optuna.Study
+    eval_calls: int          # eval_fn calls this run made (a resumed run reuses earlier trials)
+    trials_evaluated: int    # evaluated trials in the whole study
+    wall_time_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.latency.median_ms / self.best.latency.median_ms
+
+    def summary(self) -> str:
+        rows = [("", "fp32 baseline", "tuned"),
+                ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
+                ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
+                ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
+        width = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = ["  ".join(cell.ljust(width[i]) for i, cell in enumerate(row)) for row in rows]
+        lines += [f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
+                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
+                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
+        return "\n".join(lines)
+
+
+def _latency(stats: LatencyStats) -> str:
+    return f"{stats.median_ms:.3f} ± {stats.spread_ms:.3f}"

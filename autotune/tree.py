@@ -1,0 +1,22 @@
+"""Walking the nested containers (tuples, lists, dicts, model-output dicts) that models take and return."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(map_tensors(item, fn) for item in value)
+    if isinstance(value, dict):
+        return type(value)({key: map_tensors(item, fn) for key, item in value.items()})
+    return value
+
+
+def float_tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(value, lambda t: found.append(t) if t.is_floating_point() else None)
+    return found

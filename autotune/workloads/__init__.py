@@ -1,0 +1,1 @@
+"""Real models and labelled data that ship inside packages (no downloads), for demos, tests and benchmarks."""
