@@ -6,6 +6,8 @@ tolerance, lower-is-better metrics and a persistent Optuna storage.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,23 +25,33 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (str, BaseModel, dict)) else value
 
 
+_nesting = threading.local()
+
+
 class StrictModel(BaseModel):
-    """Rejects unknown fields; turns pydantic's error into ConfigError naming each bad field."""
+    """Rejects unknown fields; turns pydantic's error into ConfigError naming each bad field's full path."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     def __init__(self, **data: Any):
+        # pydantic runs this for nested models too: only the outermost call converts, so paths stay whole.
+        depth = getattr(_nesting, "depth", 0)
+        _nesting.depth = depth + 1
         try:
             super().__init__(**data)
         except ValidationError as exc:
+            if depth:
+                raise
             raise ConfigError.from_validation(exc, type(self).__name__) from None
+        finally:
+            _nesting.depth = depth
 
     @classmethod
     def from_mapping(cls, data: Any):
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError.from_validation(exc, cls.__name__) from None
+        if not isinstance(data, Mapping) or not all(isinstance(key, str) for key in data):
+            raise ConfigError(f"{cls.__name__} must be a mapping of field names to values, got {data!r:.80}",
+                              [(cls.__name__, "expected a mapping")])
+        return cls(**data)
 
 
 class MixedPrecisionConfig(StrictModel):

@@ -1,0 +1,72 @@
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.backends import get_backend
+from autotune.measure import weight_bytes
+
+CPU = torch.device("cpu")
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype,bound", [("fp32", 0.0), ("bf16", 2e-2), ("fp16", 2e-3), ("int8", 5e-2)])
+def test_linear_in_each_dtype_keeps_caller_dtype_and_stays_close(dtype, bound):
+    torch.manual_seed(0)
+    linear, x = nn.Linear(64, 32), torch.randn(4, 7, 64)
+    lowered = get_backend(dtype).apply(copy.deepcopy(linear), None)
+    with torch.inference_mode():
+        out = lowered(x)
+        assert out.dtype == torch.float32 and out.shape == (4, 7, 32)
+        assert relative_error(out, linear(x)) <= bound
+
+
+def test_static_int8_conv_is_calibrated_on_recorded_inputs():
+    torch.manual_seed(0)
+    conv, x = nn.Conv2d(3, 8, 3, padding=1, groups=1), torch.randn(2, 3, 12, 12)
+    backend = get_backend("int8")
+    with pytest.raises(ValueError, match="calibration"):
+        backend.apply(copy.deepcopy(conv), None)
+    lowered = backend.apply(copy.deepcopy(conv), ((x,), {}))
+    with torch.inference_mode():
+        assert relative_error(lowered(x), conv(x)) < 5e-2
+
+
+def test_int8_shrinks_weights_and_survives_copy_and_save():
+    linear, x = nn.Linear(256, 128), torch.randn(3, 256)
+    lowered = get_backend("int8").apply(copy.deepcopy(linear), None)
+    assert weight_bytes(lowered) < weight_bytes(linear) / 3
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(lowered), buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    with torch.inference_mode():
+        assert torch.equal(restored(x), lowered(x))
+
+
+def test_supports_reports_what_each_backend_can_run():
+    int8, bf16 = get_backend("int8"), get_backend("bf16")
+    assert int8.supports(nn.Linear(4, 4), CPU) and int8.supports(nn.Conv2d(1, 1, 3), CPU)
+    assert not int8.supports(nn.LayerNorm(4), CPU)
+    assert not int8.supports(nn.Conv2d(1, 1, 3, padding="same"), CPU)
+    assert not int8.supports(nn.Linear(4, 4), torch.device("cuda"))
+    assert bf16.supports(nn.LayerNorm(4), CPU) and not bf16.supports(nn.ReLU(), CPU)
+
+
+def test_unknown_dtype_backend_is_a_clear_error():
+    with pytest.raises(KeyError, match="no backend for dtype 'int4'"):
+        get_backend("int4")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_backends_on_cuda(dtype):
+    linear, x = nn.Linear(64, 32).cuda(), torch.randn(8, 64, device="cuda")
+    lowered = get_backend(dtype).apply(copy.deepcopy(linear), None)
+    with torch.inference_mode():
+        assert relative_error(lowered(x), linear(x)) < 2e-2

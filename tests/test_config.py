@@ -1,0 +1,59 @@
+import pytest
+
+from autotune import ConfigError, MixedPrecisionConfig, TuningConfig
+
+
+def test_single_config_and_single_dtype_are_accepted_where_lists_are_expected():
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype="int8"))
+    assert len(config.config_set) == 1
+    assert config.config_set[0].dtype == ["int8"]
+
+
+def test_config_set_from_plain_dicts():
+    config = TuningConfig.from_mapping({"config_set": {"dtype": ["bf16", "fp32"], "exclude": "lm_head"},
+                                        "tolerable_loss": 0.02})
+    assert config.config_set[0].exclude == ["lm_head"]
+    assert config.tolerable_loss == 0.02
+
+
+def test_unknown_field_is_rejected_naming_it():
+    with pytest.raises(ConfigError) as info:
+        TuningConfig(max_trial=10)
+    assert ("max_trial", "Extra inputs are not permitted") in info.value.errors
+
+
+def test_unknown_dtype_is_rejected_naming_the_field():
+    with pytest.raises(ConfigError) as info:
+        TuningConfig(config_set=[MixedPrecisionConfig(dtype=["int8", "int4"])])
+    assert "dtype.1" in str(info.value) and "int4" not in info.value.errors[0][0]
+
+
+def test_nested_bad_value_names_the_full_path():
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping({"config_set": [{"dtype": ["fp32"]}, {"dtype": ["fp8"]}]})
+    assert info.value.errors[0][0] == "config_set.1.dtype.0"
+
+
+@pytest.mark.parametrize("field,value", [("tolerable_loss", -0.1), ("max_trials", 0), ("timeout", 0),
+                                         ("loss_kind", "percent"), ("device", "tpu:0"), ("repeats", 1)])
+def test_out_of_range_values_are_rejected(field, value):
+    with pytest.raises(ConfigError) as info:
+        TuningConfig(**{field: value})
+    assert info.value.errors[0][0] == field
+
+
+def test_empty_dtype_list_is_rejected():
+    with pytest.raises(ConfigError, match="dtype"):
+        MixedPrecisionConfig(dtype=[])
+
+
+@pytest.mark.parametrize("kind,higher,baseline,accuracy,loss", [
+    ("relative", True, 0.80, 0.78, 0.025),
+    ("absolute", True, 0.80, 0.78, 0.02),
+    ("relative", False, 2.0, 2.1, 0.05),     # e.g. perplexity: higher is worse
+    ("absolute", False, 2.0, 1.9, -0.1),     # better than baseline: negative loss
+])
+def test_accuracy_loss_kinds(kind, higher, baseline, accuracy, loss):
+    config = TuningConfig(loss_kind=kind, higher_is_better=higher, tolerable_loss=0.03)
+    assert config.accuracy_loss(baseline, accuracy) == pytest.approx(loss)
+    assert config.passes(baseline, accuracy) == (loss <= 0.03)

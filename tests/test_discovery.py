@@ -1,0 +1,46 @@
+import pytest
+from torch import nn
+
+from autotune import ConfigError, MixedPrecisionConfig, NoTunableModulesError
+from autotune.discovery import tunable_modules
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+
+def model():
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), Block(), Block(), nn.Linear(8, 2))
+
+
+def test_default_types_are_linear_and_conv_with_fp32_always_added():
+    found = tunable_modules(model(), [MixedPrecisionConfig(dtype=["int8"])])
+    assert list(found) == ["0", "2.query", "2.key", "2.out", "3.query", "3.key", "3.out", "4"]
+    assert all(dtypes == ["int8", "fp32"] for dtypes in found.values())
+
+
+def test_include_exclude_globs_and_union_over_configs():
+    found = tunable_modules(model(), [MixedPrecisionConfig(dtype=["int8"], include=["*.query", "*.key"],
+                                                           exclude=["3.*"]),
+                                      MixedPrecisionConfig(dtype=["bf16"], include=["2.*"])])
+    assert found == {"2.query": ["int8", "bf16", "fp32"], "2.key": ["int8", "bf16", "fp32"],
+                     "2.out": ["bf16", "fp32"]}
+
+
+def test_module_types_by_class_name_and_outer_module_owns_its_children():
+    found = tunable_modules(model(), [MixedPrecisionConfig(dtype=["bf16"], module_types=["Block", "Linear"])])
+    assert list(found) == ["2", "3", "4"]
+
+
+@pytest.mark.parametrize("field", ["include", "exclude"])
+def test_pattern_matching_nothing_is_an_error_naming_it(field):
+    with pytest.raises(ConfigError, match=rf"config_set.0.{field}: pattern 'decoder\.\*' matches no module"):
+        tunable_modules(model(), [MixedPrecisionConfig(**{field: ["decoder.*"]})])
+
+
+def test_model_without_tunable_modules_is_an_error():
+    with pytest.raises(NoTunableModulesError, match="no module of the tunable types"):
+        tunable_modules(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), [MixedPrecisionConfig()])

@@ -1,0 +1,40 @@
+import pytest
+import torch
+from torch import nn
+
+from autotune import PlanError, apply_plan
+from autotune.plan import plan_key, summarize, validate_plan
+from conftest import assert_state_equal, state_snapshot
+
+
+def test_apply_plan_builds_a_new_model_and_leaves_the_original_bit_identical():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = state_snapshot(model)
+    tuned = apply_plan(model, {"0": "int8", "2": "bf16"})
+    assert tuned is not model
+    assert type(tuned[0]).__name__ == "DynamicInt8Linear" and type(tuned[2]).__name__ == "CastWrapper"
+    assert isinstance(model[0], nn.Linear) and model[2].weight.dtype == torch.float32
+    assert_state_equal(model, before)
+
+
+def test_a_bare_root_module_can_be_lowered():
+    tuned = apply_plan(nn.Linear(8, 8), {"": "int8"})
+    assert type(tuned).__name__ == "DynamicInt8Linear"
+
+
+def test_plan_naming_a_missing_module_is_an_error():
+    with pytest.raises(PlanError, match="'decoder' which Sequential does not have|does not have"):
+        apply_plan(nn.Sequential(nn.Linear(2, 2)), {"decoder": "int8"})
+
+
+def test_validate_plan_reports_unknown_modules_and_disallowed_dtypes():
+    candidates = {"a": ["int8", "fp32"], "b": ["fp32"]}
+    with pytest.raises(PlanError, match=r"not tunable in this model: \['zzz'\]"):
+        validate_plan({"a": "int8", "zzz": "fp32"}, candidates)
+    with pytest.raises(PlanError, match=r"b=int8 \(allowed \['fp32'\]\)"):
+        validate_plan({"b": "int8"}, candidates)
+
+
+def test_plan_key_ignores_order_and_summary_counts_dtypes():
+    assert plan_key({"a": "int8", "b": "fp32"}) == plan_key({"b": "fp32", "a": "int8"})
+    assert summarize({"a": "int8", "b": "fp32", "c": "int8"}) == "int8×2 fp32×1"

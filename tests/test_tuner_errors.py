@@ -1,0 +1,67 @@
+import math
+
+import optuna
+import pytest
+import torch
+from torch import nn
+
+from autotune import (ConfigError, EvalFunctionError, MixedPrecisionConfig, NoTunableModulesError, TuningConfig,
+                      autotune)
+
+INPUTS = torch.randn(16, 32)
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def config(storage, **fields):
+    return TuningConfig(storage=storage, study_name="errors", max_trials=2, repeats=3, **fields)
+
+
+def test_eval_fn_that_is_not_callable(storage):
+    with pytest.raises(EvalFunctionError, match="eval_fn must be callable"):
+        autotune(small_model(), config(storage), "accuracy")
+
+
+@pytest.mark.parametrize("returned,message", [("0.9", "must return a number; it returned str"),
+                                              (None, "must return a number; it returned NoneType"),
+                                              (True, "must return a number; it returned bool"),
+                                              (math.nan, "returned nan, not a finite number"),
+                                              (torch.tensor([0.1, 0.2]), "must return a number")])
+def test_eval_fn_returning_a_non_number_stops_before_any_trial(storage, returned, message):
+    def eval_fn(model):
+        model(INPUTS)
+        return returned
+    with pytest.raises(EvalFunctionError, match=f"fp32 baseline evaluation failed.*{message}"):
+        autotune(small_model(), config(storage), eval_fn)
+    assert optuna.load_study(study_name="errors", storage=storage).trials == []
+
+
+def test_eval_fn_raising_on_the_baseline_says_so(storage):
+    def eval_fn(model):
+        raise RuntimeError("dataset missing")
+    with pytest.raises(EvalFunctionError, match="fp32 baseline evaluation failed.*RuntimeError: dataset missing"):
+        autotune(small_model(), config(storage), eval_fn)
+
+
+def test_eval_fn_that_never_calls_the_model_without_example_inputs(storage):
+    with pytest.raises(EvalFunctionError, match="never called the model"):
+        autotune(small_model(), config(storage), lambda model: 1.0)
+
+
+def test_unknown_dtype_name_in_a_dict_config(storage):
+    with pytest.raises(ConfigError, match=r"config_set.0.dtype.0: Input should be 'fp32', 'bf16', 'fp16' or 'int8'"):
+        autotune(small_model(), {"config_set": {"dtype": ["int4"]}, "storage": storage}, lambda m: 1.0)
+
+
+def test_model_with_no_tunable_modules(storage):
+    with pytest.raises(NoTunableModulesError):
+        autotune(nn.Sequential(nn.ReLU()), config(storage), lambda m: 1.0, example_inputs=INPUTS)
+
+
+def test_include_pattern_matching_nothing(storage):
+    bad = config(storage, config_set=MixedPrecisionConfig(include=["encoder.*"]))
+    with pytest.raises(ConfigError, match="pattern 'encoder.\\*' matches no module of Sequential"):
+        autotune(small_model(), bad, lambda m: 1.0, example_inputs=INPUTS)

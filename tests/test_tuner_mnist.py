@@ -1,0 +1,67 @@
+"""The ccexam MNISTNet on real MNIST digits: the workload the README's demo tunes."""
+import optuna
+import pytest
+from torch import nn
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.plan import plan_key
+from autotune.study import evaluated_trials, trial_plan
+from autotune.workloads.mnist import accuracy_eval
+from conftest import assert_state_equal, state_snapshot
+
+MODULES = {"features.0", "features.3", "classifier.0", "classifier.2"}
+
+
+def mnist_config(storage, max_trials):
+    return TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp16", "fp32"]),
+                        tolerable_loss=0.01, max_trials=max_trials, repeats=8, storage=storage, study_name="mnist")
+
+
+def plans_in(study):
+    return [plan_key(trial_plan(t)) for t in evaluated_trials(study)]
+
+
+def test_tuned_mnist_is_within_tolerance_faster_than_fp32_and_the_model_is_untouched(mnist_model, mnist_digits,
+                                                                                      storage):
+    before = state_snapshot(mnist_model)
+    eval_fn = accuracy_eval(*mnist_digits)
+    config = mnist_config(storage, max_trials=6)
+    result = autotune(mnist_model, config, eval_fn)
+
+    assert set(result.plan) == MODULES
+    assert "int8" in result.plan.values()
+    assert "fp16" not in result.plan.values()          # measured slower than fp32 on CPU: pruned
+    assert config.passes(result.baseline.accuracy, result.best.accuracy)
+    assert config.passes(result.baseline.accuracy, eval_fn(result.model))   # independently re-checked
+    assert result.speedup > 1.0                        # fp32 and tuned timed interleaved in one run
+    assert result.best.weight_bytes < result.baseline.weight_bytes
+    assert isinstance(result.model, nn.Module) and result.model is not mnist_model
+    assert_state_equal(mnist_model, before)
+    assert result.trials_evaluated <= 6
+
+    stored = optuna.load_study(study_name="mnist", storage=storage)   # plain Optuna reads it back
+    trials = evaluated_trials(stored)
+    assert len(trials) == result.trials_evaluated
+    assert len(set(plans_in(stored))) == len(trials)  # no plan evaluated twice
+    for trial in trials:
+        assert set(trial.params) == MODULES
+        assert {"accuracy", "latency_ms", "fp32_latency_ms", "passed", "weight_bytes"} <= set(trial.user_attrs)
+        assert "accuracy" in trial.constraints
+    assert stored.user_attrs["autotune.best"]["plan"] == result.plan
+
+
+def test_calling_again_continues_the_study_without_evaluating_finished_plans(mnist_model, mnist_digits, storage):
+    eval_fn = accuracy_eval(*mnist_digits)
+    first = autotune(mnist_model, mnist_config(storage, max_trials=2), eval_fn)
+    first_trials = {t.number: (t.params, t.values) for t in evaluated_trials(first.study)}
+    assert len(first_trials) == 2
+
+    second = autotune(mnist_model, mnist_config(storage, max_trials=5), eval_fn)
+    study = optuna.load_study(study_name="mnist", storage=storage)
+    trials = evaluated_trials(study)
+    assert 2 < len(trials) <= 5
+    assert {t.number: (t.params, t.values) for t in trials if t.number in first_trials} == first_trials
+    assert len(set(plans_in(study))) == len(trials)
+    new = len(trials) - len(first_trials)
+    # new trials, one baseline call abandoned after its first batch, at most one re-check of the winner
+    assert new + 1 <= second.eval_calls <= new + 2

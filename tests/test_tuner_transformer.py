@@ -1,0 +1,47 @@
+"""A BERT encoder (transformers, built from a config so the test needs no download): all-int8 misses the
+tolerance, the tuner's mixed plan meets it. The metric is embedding fidelity: mean cosine similarity of the
+mean-pooled sentence embeddings to the fp32 model's."""
+import pytest
+import torch
+
+from autotune import MixedPrecisionConfig, TuningConfig, apply_plan, autotune
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def encoder_and_eval():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=2, num_attention_heads=6,
+                                     intermediate_size=1536, max_position_embeddings=128)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    batches = [{"input_ids": torch.randint(0, 1000, (16, 128)),
+                "attention_mask": torch.ones(16, 128, dtype=torch.long)} for _ in range(2)]
+
+    def embed(net):
+        with torch.inference_mode():
+            out = [net(**batch).last_hidden_state.mean(dim=1) for batch in batches]
+        return torch.nn.functional.normalize(torch.cat(out), dim=1)
+
+    reference = embed(model)
+
+    def eval_fn(net):
+        return (embed(net) * reference).sum(dim=1).mean().item()
+
+    return model, eval_fn
+
+
+def test_mixed_plan_passes_where_all_int8_misses(encoder_and_eval, storage):
+    model, eval_fn = encoder_and_eval
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    all_int8_loss = 1.0 - eval_fn(apply_plan(model, {name: "int8" for name in linears}))
+    assert all_int8_loss > 0
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=all_int8_loss / 2,
+                          max_trials=10, repeats=5, storage=storage, study_name="bert")
+    result = autotune(model, config, eval_fn)
+
+    assert not config.passes(result.baseline.accuracy, 1.0 - all_int8_loss)
+    assert set(result.plan) == set(linears)
+    assert config.passes(result.baseline.accuracy, eval_fn(result.model))
+    assert "int8" in result.plan.values() and "fp32" in result.plan.values()
+    assert result.eval_calls <= 12
