@@ -3,12 +3,14 @@
 Guided phase: try the plan that is fastest by the per-module timings; if it misses the accuracy requirement,
 walk back towards FP32 along the fallback path (each step moves the module with the most output error saved
 per millisecond lost to its next safer dtype) and bisect for the fastest passing point: O(log N) evaluations.
-The sampler phase (in the tuner) then spends what budget is left with TPE around the best plans.
+What budget is left then goes, in a small space, to the remaining plans fastest-predicted first, and in a
+large one to Optuna's TPE sampler around the best plans (in the tuner).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Generator
+from typing import Generator, Iterator
 
 from autotune.plan import Plan
 
@@ -41,6 +43,14 @@ class SearchSpace:
             size *= len(options)
         return size
 
+    def predicted_ms(self, plan: Plan) -> float:
+        return sum(self.latency_ms[name][dtype] for name, dtype in plan.items())
+
+    def all_plans(self) -> Iterator[Plan]:
+        names = list(self.choices)
+        for dtypes in itertools.product(*(self.choices[name] for name in names)):
+            yield dict(zip(names, dtypes))
+
     def fastest_plan(self) -> Plan:
         return {name: options[0] for name, options in self.choices.items()}
 
@@ -66,6 +76,11 @@ class SearchSpace:
             current[name] = steps[name][1]
             path.append(dict(current))
         return path
+
+
+def exhaustive_order(space: SearchSpace) -> list[Plan]:
+    """Every plan, fastest predicted first: the whole search when the space is small."""
+    return sorted(space.all_plans(), key=space.predicted_ms)
 
 
 def guided_search(space: SearchSpace) -> GuidedSearch:

@@ -21,11 +21,12 @@ from autotune.errors import EvalFunctionError
 from autotune.measure import measure_latency, weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
 from autotune.result import Measurement, TuningResult
-from autotune.search import SearchSpace, guided_search
+from autotune.search import SearchSpace, exhaustive_order, guided_search
 from autotune.sensitivity import module_latency, module_sensitivity
 from autotune import study as studies
 
 log = logging.getLogger("autotune")
+EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
 EvalFn = Callable[[nn.Module], Any]
 
 
@@ -155,16 +156,28 @@ def _search(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
         return min((o.latency_ratio for o in runner.outcomes.values() if o.passed), default=math.inf)
 
     best, stale, duplicates = best_ratio(), 0, 0
-    while budget_left() and stale < config.patience and duplicates < 3 * config.patience \
-            and len(runner.outcomes) + len(runner.failed) < runner.space.size:
+
+    def note_progress() -> None:
+        nonlocal best, stale
+        now = best_ratio()
+        stale = 0 if now < best else stale + 1
+        best = now
+
+    if runner.space.size <= EXHAUSTIVE_LIMIT:
+        for plan in exhaustive_order(runner.space):
+            if not budget_left() or stale >= config.patience:
+                return
+            if plan_key(plan) not in runner.outcomes:
+                runner.run_plan(plan, "exhaustive")
+                note_progress()
+        return
+    while budget_left() and stale < config.patience and duplicates < 3 * config.patience:
         runner.run_once()
         if runner.last_was_duplicate:
             duplicates += 1
             continue
         duplicates = 0
-        improved = best_ratio()
-        stale = 0 if improved < best else stale + 1
-        best = improved
+        note_progress()
 
 
 def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, nn.Module, float, dict]:

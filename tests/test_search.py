@@ -52,3 +52,12 @@ def test_bisection_finds_the_passing_boundary_in_logarithmic_evaluations():
 
 def test_guided_search_stops_at_once_when_the_fastest_plan_passes():
     assert len(run_guided(space(50), lambda plan: True)) == 1
+
+
+def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
+    from autotune.plan import plan_key
+    from autotune.search import exhaustive_order
+    s = space(3)
+    plans = exhaustive_order(s)
+    assert len({plan_key(p) for p in plans}) == len(plans) == s.size
+    assert plans[0] == s.fastest_plan() and all(d == "fp32" for d in plans[-1].values())
