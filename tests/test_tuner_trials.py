@@ -1,0 +1,64 @@
+"""Trial-level behaviour on a model whose int8 layers are measurably faster than fp32."""
+import torch
+from optuna.trial import TrialState
+from torch import nn
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.backends.int8 import DynamicInt8Linear
+from conftest import assert_state_equal, state_snapshot
+
+INPUTS = torch.randn(512, 1024)
+
+
+def wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(3)])
+
+
+def fidelity_eval(reference_model):
+    with torch.inference_mode():
+        reference = reference_model(INPUTS)
+
+    def eval_fn(model):
+        with torch.inference_mode():
+            return nn.functional.cosine_similarity(model(INPUTS), reference, dim=1).mean().item()
+    return eval_fn
+
+
+def test_a_trial_whose_eval_fn_raises_is_failed_with_its_reason_and_never_wins(storage):
+    model = wide_model()
+    before = state_snapshot(model)
+    score = fidelity_eval(model)
+
+    def eval_fn(net):
+        if isinstance(net[1][0], DynamicInt8Linear):
+            raise RuntimeError("kernel crashed on layer 1")
+        return score(net)
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+                          max_trials=8, repeats=5, storage=storage, study_name="failing")
+    result = autotune(model, config, eval_fn, example_inputs=INPUTS)
+
+    failed = [t for t in result.study.trials if t.state == TrialState.FAIL]
+    assert failed, "the plan with int8 on layer 1 should have been tried first (it is the fastest)"
+    assert all("RuntimeError: kernel crashed on layer 1" in t.user_attrs["fail_reason"] for t in failed)
+    assert all(t.params["1.0"] == "int8" for t in failed)
+    assert result.plan["1.0"] == "fp32"
+    assert any(t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated") for t in result.study.trials)
+    assert_state_equal(model, before)
+
+
+def test_the_users_model_is_untouched_when_tuning_raises(storage):
+    model = wide_model()
+    before = state_snapshot(model)
+
+    def eval_fn(net):
+        net(INPUTS)
+        net[0][0].weight.data.zero_()   # an eval_fn that tampers with what it is given
+        raise ValueError("boom")
+
+    try:
+        autotune(model, TuningConfig(storage=storage, repeats=3), eval_fn)
+    except Exception as exc:
+        assert "boom" in str(exc)
+    assert_state_equal(model, before)
