@@ -37,12 +37,16 @@ class TuningResult:
                 ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
-        width = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = ["  ".join(cell.ljust(width[i]) for i, cell in enumerate(row)) for row in rows]
-        lines += [f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
+        lines = [table([list(row) for row in rows]),f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
                   f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                   f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         return "\n".join(lines)
+
+
+def table(rows: list[list[str]]) -> str:
+    """Plain-text columns, first row as header."""
+    width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
 
 
 def _latency(stats: LatencyStats) -> str:

@@ -134,9 +134,17 @@ def _signals(study: optuna.Study, fp32: nn.Module, candidates: dict[str, list[st
     return SearchSpace.build(candidates, sensitivity, latency)
 
 
-def _supported(model: nn.Module, candidates: dict[str, list[str]], device: torch.device) -> dict[str, list[str]]:
+def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[str]]:
+    """Tunable modules and the dtypes the configured device supports for each (speed is measured later)."""
+    device = torch.device(config.device)
     return {name: [d for d in dtypes if get_backend(d).supports(model.get_submodule(name), device)]
-            for name, dtypes in candidates.items()}
+            for name, dtypes in tunable_modules(model, config.config_set).items()}
+
+
+def study_name_for(model: nn.Module, config: TuningConfig, candidates: dict[str, list[str]] | None = None) -> str:
+    """The configured study name, or the one derived from the model class and search space."""
+    return config.study_name or studies.default_study_name(
+        type(model).__name__, candidates if candidates is not None else search_candidates(model, config), config)
 
 
 def _search(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
@@ -215,9 +223,8 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
     fp32 = copy.deepcopy(model).eval().to(device)
-    candidates = _supported(fp32, tunable_modules(fp32, config.config_set), device)
-    study_name = config.study_name or studies.default_study_name(type(model).__name__, candidates, config)
-    study = studies.open_study(config, study_name, candidates)
+    candidates = search_candidates(fp32, config)
+    study = studies.open_study(config, study_name_for(model, config, candidates), candidates)
 
     baseline = studies.get_attr(study, "baseline_accuracy")
     eval_calls = 0
