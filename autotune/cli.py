@@ -1,0 +1,266 @@
+"""`autotune` command line: tune from a YAML file, inspect, export and report studies, re-apply a plan."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+import optuna
+import torch
+import yaml
+
+from autotune import study as studies
+from autotune.capture import as_call_inputs, record_module_inputs, run_capturing, to_device
+from autotune.config import DEFAULT_STORAGE, TuningConfig
+from autotune.errors import AutotuneError, PlanError
+from autotune.file_config import FileConfig, load_config
+from autotune.plan import Plan, apply_plan, summarize, validate_plan
+from autotune.result import table
+from autotune.tuner import autotune, search_candidates, study_name_for
+
+storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
+
+
+class CliError(click.ClickException):
+    exit_code = 2
+
+
+class _Group(click.Group):
+    """Errors autotune raises on purpose are shown as one message, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except AutotuneError as exc:
+            raise CliError(str(exc)) from None
+
+
+@click.group(cls=_Group)
+def main() -> None:
+    """Accuracy-driven mixed-precision autotuning for PyTorch."""
+
+
+def load_study(name: str, storage: str) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
+    except KeyError:
+        raise CliError(f"no study named {name!r} in {storage}; `autotune list --storage {storage}` "
+                       "lists the studies there") from None
+
+
+def missing_sqlite(url: str) -> bool:
+    return url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file()
+
+
+def open_existing_storage(url: str):
+    # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
+    if missing_sqlite(url):
+        raise CliError(f"no study storage at {url}")
+    return studies.open_storage(url)
+
+
+def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int]:
+    """(study name, evaluated trials already in it): what a resumed run starts from."""
+    name = study_name_for(model, config)
+    if missing_sqlite(config.storage):
+        return name, 0
+    storage = studies.open_storage(config.storage)
+    if name not in optuna.get_all_study_names(storage):
+        return name, 0
+    return name, len(studies.evaluated_trials(optuna.load_study(study_name=name, storage=storage)))
+
+
+class _TrialProgress(logging.Handler):
+    """Advances a progress bar on each evaluated trial the tuner logs (passed, missed or failed)."""
+
+    def __init__(self, bar):
+        super().__init__(logging.INFO)
+        self.bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("trial %d"):
+            self.bar.update(1)
+
+
+@contextmanager
+def progress(total: int, done: int, verbose: bool) -> Iterator[None]:
+    """A progress bar with ETA over evaluated trials, or with `verbose` the tuner's log lines instead."""
+    logger = logging.getLogger("autotune")
+    level = logger.level
+    with ExitStack() as stack:
+        if verbose:
+            handler: logging.Handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+        else:
+            # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
+            label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
+            bar = stack.enter_context(click.progressbar(length=max(total - done, 1), label=label, show_eta=True,
+                                                        show_pos=True))
+            handler = _TrialProgress(bar)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+@main.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
+@click.option("--storage", default=None, help="override tuning.storage")
+@click.option("--study-name", default=None, help="override tuning.study_name")
+@click.option("-v", "--verbose", is_flag=True, help="log every trial instead of a progress bar")
+def tune(config_path: str, storage: str | None, study_name: str | None, verbose: bool) -> None:
+    """Tune the model of a YAML CONFIG (resumes its study)."""
+
+    config = load_config(config_path)
+    tuning = config.tuning.model_copy()
+    if storage:
+        tuning.storage = storage
+    if study_name:
+        tuning.study_name = study_name
+    model = config.build_model()
+    eval_fn = config.evaluation.build()
+    name, done = evaluated_so_far(model, tuning)
+    click.echo(f"study {name!r} in {tuning.storage}: " + (f"resuming after {done} evaluated trials" if done
+                                                           else "new"))
+    with progress(tuning.max_trials, done, verbose):
+        result = autotune(model, tuning, eval_fn, config.build_example_inputs())
+    click.echo(result.summary())
+    click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
+
+
+@main.command()
+@click.argument("study_name", metavar="STUDY")
+@storage_option
+def show(study_name: str, storage: str) -> None:
+    """Trials of STUDY as a table, then its best plan."""
+    study = load_study(study_name, storage)
+    rows = [["#", "source", "plan", "accuracy", "latency/fp32", "result"]]
+    for trial in study.trials:
+        attrs = trial.user_attrs
+        if attrs.get("duplicate"):
+            outcome = "duplicate"
+        elif trial.state == optuna.trial.TrialState.COMPLETE:
+            outcome = "pass" if attrs.get("passed") else "FAIL"
+        else:
+            outcome = trial.state.name.lower()
+        rows.append([str(trial.number), attrs.get("source", "sampler"), summarize(studies.trial_plan(trial)),
+                     _fmt(attrs.get("accuracy")), _fmt(trial.values[0] if trial.values else None, "{:.3f}"),
+                     outcome])
+    click.echo(table(rows))
+    click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, 'baseline_accuracy'))}")
+    best = studies.get_attr(study, "best")
+    if best is None:
+        click.echo("no best plan recorded yet (tuning has not finished)")
+        return
+    click.echo(f"best: accuracy {best['accuracy']:.4f}, speedup {best['speedup']:.2f}x, {summarize(best['plan'])}")
+    click.echo(table([["module", "dtype"], *([n, d] for n, d in best["plan"].items())]))
+
+
+def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+@main.command()
+@click.argument("study_name", metavar="STUDY")
+@storage_option
+@click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
+              help="default: from --out's suffix, else json")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: standard output")
+def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> None:
+    """The best plan of STUDY (input of `apply`)."""
+    study = load_study(study_name, storage)
+    best = studies.get_attr(study, "best")
+    if best is None:
+        raise CliError(f"study {study_name!r} in {storage} has no best plan yet (tuning has not finished)")
+    data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, "baseline_accuracy"),
+            "accuracy": best["accuracy"], "speedup": best["speedup"], "plan": best["plan"]}
+    fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
+    text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
+    if out:
+        Path(out).write_text(text)
+        click.echo(f"wrote {out}")
+    else:
+        click.echo(text, nl=False)
+
+
+def read_plan(path: str) -> Plan:
+    """A plan file from `autotune export` (JSON or YAML), or a bare {module: dtype} mapping."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path}: not a JSON or YAML plan file: {exc}") from None
+    plan = data.get("plan", data) if isinstance(data, dict) else data
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        raise CliError(f"{path}: expected a mapping of module name to dtype (or autotune export's output)")
+    return plan
+
+
+def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
+    """The config's example inputs, else the first batch its eval_fn feeds the model."""
+    device = torch.device(config.tuning.device)
+    example = config.build_example_inputs()
+    if example is not None:
+        return to_device(as_call_inputs(example), device)
+    return run_capturing(copy.deepcopy(model), config.evaluation.build(), stop_early=True)[1]
+
+
+@main.command(name="apply")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="the YAML config the model comes from")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="where to torch.save the tuned model")
+def apply_command(plan_path: str, config_path: str, out: str) -> None:
+    """Re-apply a saved PLAN to the config's model; save it."""
+    config = load_config(config_path)
+    plan = read_plan(plan_path)
+    model = config.build_model().eval().to(torch.device(config.tuning.device))
+    try:
+        validate_plan(plan, search_candidates(model, config.tuning))
+    except PlanError as exc:
+        raise CliError(f"{plan_path}: {exc}") from None
+    lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
+    calibration = record_module_inputs(model, lowered, calibration_inputs(config, model))
+    tuned = apply_plan(model, plan, calibration)
+    torch.save(tuned, out)
+    click.echo(f"wrote {out}: {type(model).__name__} with {summarize(plan)}")
+
+
+@main.command(name="list")
+@storage_option
+def list_command(storage: str) -> None:
+    """Studies in a storage, with trial counts."""
+    summaries = optuna.get_all_study_summaries(open_existing_storage(storage), include_best_trial=False)
+    if not summaries:
+        click.echo(f"no studies in {storage}")
+        return
+    rows = [["study", "trials", "baseline", "best accuracy", "speedup"]]
+    for summary in summaries:
+        best = summary.user_attrs.get(studies.ATTR_PREFIX + "best") or {}
+        rows.append([summary.study_name, str(summary.n_trials),
+                     _fmt(summary.user_attrs.get(studies.ATTR_PREFIX + "baseline_accuracy")),
+                     _fmt(best.get("accuracy")), _fmt(best.get("speedup"), "{:.2f}x")])
+    click.echo(table(rows))
+
+
+@main.command()
+@click.argument("study_name", metavar="STUDY")
+@storage_option
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="the HTML file to write")
+def report(study_name: str, storage: str, out: str) -> None:
+    """HTML report of STUDY: Pareto plot, best plan."""
+    from autotune.report import html_report
+
+    Path(out).write_text(html_report(load_study(study_name, storage)))
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

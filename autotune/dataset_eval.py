@@ -1,0 +1,113 @@
+"""The built-in evaluator of YAML configs: a local dataset, columns fed to the model, and a metric."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from autotune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autotune.file_config import Evaluation
+
+_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+
+def load_columns(evaluation: "Evaluation") -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]:
+    """(positional inputs, keyword inputs, labels) as whole-dataset tensors, read once."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read before `datasets` is first imported
+    import datasets
+
+    spec = evaluation.dataset
+    table = datasets.load_dataset(spec.file_format, data_files=spec.files, split="train").with_format("numpy")
+    missing = sorted({*_columns(evaluation.inputs), evaluation.label} - set(table.column_names))
+    if missing:
+        raise ConfigError(f"evaluation: columns {missing} are not in {spec.files} (it has {table.column_names})",
+                          [("evaluation.inputs", str(missing))])
+    dtype = _DTYPES[evaluation.input_dtype]
+
+    data = table[:]  # every column as a numpy array; list-valued rows may come as an object array
+
+    def column(name: str) -> torch.Tensor:
+        values = data[name]
+        return torch.as_tensor(np.stack(list(values)) if values.dtype == object else values)
+
+    if isinstance(evaluation.inputs, dict):
+        args, kwargs = (), {arg: column(name).to(dtype) for arg, name in evaluation.inputs.items()}
+    else:
+        names = _columns(evaluation.inputs)
+        x = column(names[0]) if isinstance(evaluation.inputs, str) else torch.stack([column(n) for n in names], 1)
+        if evaluation.input_shape:
+            x = x.reshape(len(x), *evaluation.input_shape)
+        args, kwargs = (x.to(dtype),), {}
+    labels = column(evaluation.label)
+    return args, kwargs, labels.float() if evaluation.metric == "mse" else labels.long()
+
+
+def _columns(inputs: str | list[str] | dict[str, str]) -> list[str]:
+    if isinstance(inputs, str):
+        return [inputs]
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The prediction tensor of a model's output: a tensor, `.logits`, a dict's "logits", or the first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, dict):
+        return output.get("logits", next(iter(output.values())))
+    return _logits(output[0])
+
+
+def predicted_classes(scores: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension; a single output per example is a logit, positive meaning class 1."""
+    if scores.ndim > 1 and scores.shape[-1] > 1:
+        return scores.argmax(dim=-1)
+    return (scores.reshape(len(scores)) > 0).long()
+
+
+def macro_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
+    scores = []
+    for cls in torch.unique(torch.cat([predicted, labels])):
+        true_pos = ((predicted == cls) & (labels == cls)).sum().item()
+        denominator = (predicted == cls).sum().item() + (labels == cls).sum().item()
+        scores.append(2 * true_pos / denominator)
+    return float(np.mean(scores))
+
+
+def score(metric: str, outputs: torch.Tensor, labels: torch.Tensor) -> float:
+    if metric == "mse":
+        return torch.mean((outputs.float().reshape(labels.shape) - labels) ** 2).item()
+    predicted = predicted_classes(outputs)
+    if metric == "f1":
+        return macro_f1(predicted, labels)
+    return (predicted == labels).float().mean().item()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def dataset_eval(evaluation: "Evaluation") -> Callable[[nn.Module], float]:
+    """An eval_fn scoring a model over the whole dataset in batches of `batch_size`."""
+    args, kwargs, labels = load_columns(evaluation)
+    size, step = len(labels), evaluation.batch_size
+
+    def eval_fn(model: nn.Module) -> float:
+        device = _device_of(model)
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, size, step):
+                batch_args = [a[start:start + step].to(device) for a in args]
+                batch_kwargs = {k: v[start:start + step].to(device) for k, v in kwargs.items()}
+                outputs.append(_logits(model(*batch_args, **batch_kwargs)).float().cpu())
+        return score(evaluation.metric, torch.cat(outputs), labels)
+    return eval_fn

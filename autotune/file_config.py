@@ -1,0 +1,230 @@
+"""A stand-alone YAML tuning file: the model, how to score it, and a `tuning:` section that is a TuningConfig.
+
+    model:      {factory: "package.module:callable", kwargs: {...}}
+    evaluation: {eval_fn: "package.module:factory", kwargs: {...}}      # factory(**kwargs) -> eval_fn
+            or  {dataset: {files: data.parquet}, inputs: image, label: label, metric: accuracy, batch_size: 64}
+    example_inputs: {factory: "package.module:callable", kwargs: {...}} # optional
+    tuning:     {...}                                                   # autotune.config.TuningConfig
+
+`${VAR}` / `$VAR` are expanded in dataset paths and the storage URL. Relative dataset paths are read from the
+config file's folder; the storage URL is used as is (a relative SQLite path is from the working directory).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal
+
+import yaml
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+from torch import nn
+
+from autotune.config import StrictModel, TuningConfig
+from autotune.errors import ConfigError
+
+_UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+# Pydantic's validation context does not reach nested StrictModels (their __init__ validates without it).
+_BASE_DIR: ContextVar[Path] = ContextVar("config_base_dir", default=Path("."))
+
+
+def expand_env(value: str) -> str:
+    """os.path.expandvars, but a variable that is not set is an error instead of being left as text."""
+    expanded = os.path.expandvars(value)
+    unset = _UNSET_VAR.search(expanded)
+    if unset:
+        raise ValueError(f"environment variable {unset.group(1).strip('{}')} is not set (in {value!r})")
+    return expanded
+
+
+def resolve(import_path: str) -> Any:
+    """The object at "package.module:attribute" (the attribute may be dotted)."""
+    module_name, _, attribute = import_path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{import_path!r} is not an import path of the form 'package.module:name'")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} of {import_path!r}: {exc}") from None
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"{import_path!r}: module {module_name!r} has no attribute {attribute!r}") from None
+    if not callable(target):
+        raise ValueError(f"{import_path!r} is not callable")
+    return target
+
+
+def _resolves(import_path: str) -> str:
+    resolve(import_path)
+    return import_path
+
+
+ImportPath = Annotated[str, AfterValidator(_resolves)]
+
+
+class Factory(StrictModel):
+    """A callable named by import path, called with `kwargs`."""
+
+    factory: ImportPath
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def build(self, field: str) -> Any:
+        return call_factory(self.factory, self.kwargs, field)
+
+
+def call_factory(import_path: str, kwargs: dict[str, Any], field: str) -> Any:
+    """Calls the user's factory; its failure becomes a ConfigError naming the field (no traceback in the CLI)."""
+    try:
+        return resolve(import_path)(**kwargs)
+    except Exception as exc:
+        raise ConfigError(f"{field}: {import_path}(**{kwargs}) raised {type(exc).__name__}: {exc}",
+                          [(field, str(exc))]) from exc
+
+
+class DatasetFiles(StrictModel):
+    """Local files read with `datasets.load_dataset(format, data_files=files)`; nothing is downloaded."""
+
+    files: list[str] = Field(min_length=1)
+    format: Literal["csv", "json", "parquet"] | None = Field(None, description="default: from the file suffix")
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("files")
+    @classmethod
+    def _existing(cls, files: list[str]) -> list[str]:
+        base = _BASE_DIR.get()
+        found = []
+        for name in files:
+            path = base / expand_env(name)
+            if not path.is_file():
+                raise ValueError(f"dataset file not found: {path}")
+            found.append(str(path))
+        return found
+
+    @model_validator(mode="after")
+    def _known_format(self) -> "DatasetFiles":
+        self.file_format  # noqa: B018 -- raises when the suffixes do not tell
+        return self
+
+    @property
+    def file_format(self) -> str:
+        if self.format is not None:
+            return self.format
+        suffixes = {Path(f).suffix.lstrip(".").replace("jsonl", "json") for f in self.files}
+        if len(suffixes) != 1 or not suffixes <= {"csv", "json", "parquet"}:
+            raise ValueError(f"cannot tell the format from the suffixes {sorted(suffixes)}; "
+                             "set format: csv | json | parquet")
+        return suffixes.pop()
+
+
+class Evaluation(StrictModel):
+    """Either an eval_fn factory, or the built-in evaluator over a local dataset."""
+
+    eval_fn: ImportPath | None = Field(None, description="factory(**kwargs) returning eval_fn(model) -> number")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    dataset: DatasetFiles | None = None
+    inputs: str | list[str] | dict[str, str] | None = Field(
+        None, description="column: one positional tensor; list: columns stacked as features; "
+                          "mapping: keyword argument -> column")
+    input_shape: list[int] | None = Field(None, description="reshape each example (the positional input only)")
+    input_dtype: Literal["float32", "int64"] = "float32"
+    label: str | None = None
+    metric: Literal["accuracy", "f1", "mse"] = "accuracy"
+    batch_size: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Evaluation":
+        if (self.eval_fn is None) == (self.dataset is None):
+            raise ValueError("give either eval_fn (a factory import path) or dataset (the built-in evaluator)")
+        if self.dataset is not None and (self.inputs is None or self.label is None):
+            raise ValueError("the built-in evaluator needs inputs (the model's columns) and label")
+        builtin_only = self.model_fields_set & {"inputs", "input_shape", "input_dtype", "label", "metric",
+                                                "batch_size"}
+        if self.eval_fn is not None and builtin_only:
+            raise ValueError(f"{sorted(builtin_only)} belong to the built-in evaluator (dataset:), not to eval_fn")
+        if self.dataset is not None and self.kwargs:
+            raise ValueError("kwargs belong to eval_fn, not to the built-in evaluator")
+        return self
+
+    def build(self) -> Callable[[nn.Module], float]:
+        if self.eval_fn is not None:
+            eval_fn = call_factory(self.eval_fn, self.kwargs, "evaluation.eval_fn")
+            if not callable(eval_fn):
+                raise ConfigError(f"evaluation.eval_fn: {self.eval_fn} returned {type(eval_fn).__name__}, "
+                                  "not an eval_fn(model) -> number", [("evaluation.eval_fn", self.eval_fn)])
+            return eval_fn
+        from autotune.dataset_eval import dataset_eval
+        return dataset_eval(self)
+
+
+class FileTuning(TuningConfig):
+    """TuningConfig itself (no field added), with environment variables expanded in the storage URL."""
+
+    _expand_storage = field_validator("storage", mode="before")(
+        lambda value: expand_env(value) if isinstance(value, str) else value)
+
+
+class FileConfig(StrictModel):
+    model: Factory
+    evaluation: Evaluation
+    example_inputs: Factory | None = Field(None, description="default: the first batch eval_fn feeds the model")
+    tuning: FileTuning = Field(default_factory=FileTuning, validate_default=True)
+
+    @field_validator("tuning")
+    @classmethod
+    def _metric_direction(cls, tuning: FileTuning, info: ValidationInfo) -> FileTuning:
+        evaluation = info.data.get("evaluation")  # absent when evaluation itself was invalid
+        if evaluation is not None and evaluation.dataset is not None and evaluation.metric == "mse":
+            if "higher_is_better" in tuning.model_fields_set and tuning.higher_is_better:
+                raise ValueError("evaluation.metric mse is lower-is-better; set higher_is_better: false")
+            tuning.higher_is_better = False
+        return tuning
+
+    def build_model(self) -> nn.Module:
+        model = self.model.build("model.factory")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model.factory: {self.model.factory} returned {type(model).__name__}, "
+                              "not a torch.nn.Module", [("model.factory", self.model.factory)])
+        return model
+
+    def build_example_inputs(self) -> Any:
+        return None if self.example_inputs is None else self.example_inputs.build("example_inputs.factory")
+
+
+def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") -> FileConfig:
+    """Validates a mapping; relative dataset paths are read from `base_dir`."""
+    token = _BASE_DIR.set(Path(base_dir))
+    try:
+        return FileConfig.from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}", exc.errors) from None
+    finally:
+        _BASE_DIR.reset(token)
+
+
+def load_config(path: str | os.PathLike) -> FileConfig:
+    """Reads and validates a YAML tuning file; every problem is a ConfigError naming the file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML error: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with model, evaluation and tuning; "
+                          f"got {type(data).__name__}")
+    return parse_config(data, path.parent, str(path))

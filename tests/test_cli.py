@@ -1,0 +1,244 @@
+"""The YAML config + CLI layer: one small real MNIST tuning run shared by the command tests, then bad inputs."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from torch import nn
+
+from autotune.backends.cast import CastWrapper
+from autotune.backends.int8 import DynamicInt8Linear, StaticInt8Conv2d
+from autotune.cli import main
+from autotune.dataset_eval import macro_f1, score
+from autotune.errors import ConfigError
+from autotune.file_config import load_config
+from autotune.workloads.mnist import accuracy_eval, digits, model as mnist_model
+
+SHIPPED = Path(__file__).parent.parent / "configs" / "mnist.yaml"
+
+
+def write_yaml(path: Path, data) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def small_mnist(storage: str) -> dict:
+    """The shipped config with a small budget: 500 digits, 3 trials, few timing repeats."""
+    data = yaml.safe_load(SHIPPED.read_text())
+    data["evaluation"]["kwargs"]["limit"] = 500
+    data["tuning"].update(max_trials=3, repeats=3, warmup=1, storage=storage)
+    return data
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    config = write_yaml(folder / "mnist.yaml", small_mnist("sqlite:///${TUNE_DIR}/s.db"))
+    result = CliRunner().invoke(main, ["tune", str(config)], env={"TUNE_DIR": str(folder)})
+    return folder, config, f"sqlite:///{folder}/s.db", result
+
+
+def run(*args: str, env: dict | None = None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def test_shipped_config_validates():
+    config = load_config(SHIPPED)
+    assert config.tuning.study_name == "mnist" and config.model.factory == "autotune.workloads.mnist:model"
+
+
+def test_tune_prints_summary_and_expands_env_in_storage(tuned):
+    folder, _, _, result = tuned
+    assert result.exit_code == 0, result.output
+    assert "speedup" in result.output and "study 'mnist'" in result.output and "new" in result.output
+    assert (folder / "s.db").is_file()
+
+
+def test_tune_again_resumes_the_study(tuned):
+    folder, config, _, first = tuned
+    # Pruning by measured latency can leave fewer plans than max_trials, so read how many the first run made.
+    evaluated = re.search(r"(\d+) evaluated trials", first.output).group(1)
+    result = run("tune", str(config), env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert f"resuming after {evaluated} evaluated trials" in result.output
+
+
+def test_show_lists_trials_and_best(tuned):
+    _, _, storage, _ = tuned
+    result = run("show", "mnist", "--storage", storage)
+    assert result.exit_code == 0, result.output
+    assert "latency/fp32" in result.output and "guided" in result.output and "best: accuracy" in result.output
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_export_best_plan(tuned, fmt):
+    folder, _, storage, _ = tuned
+    out = folder / f"plan.{fmt}"
+    result = run("export", "mnist", "--storage", storage, "--format", fmt, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    exported = json.loads(out.read_text()) if fmt == "json" else yaml.safe_load(out.read_text())
+    assert set(exported["plan"]) == {"features.0", "features.3", "classifier.0", "classifier.2"}
+    assert exported["study"] == "mnist" and exported["speedup"] > 0
+
+
+def test_apply_saves_a_model_that_matches_the_plan(tuned):
+    folder, config, storage, _ = tuned
+    plan_file, out = folder / "best.json", folder / "tuned.pt"
+    assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(out), env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+
+    tuned_model = torch.load(out, weights_only=False)
+    expected = {("int8", nn.Conv2d): StaticInt8Conv2d, ("int8", nn.Linear): DynamicInt8Linear}
+    reference = mnist_model()
+    for name, dtype in json.loads(plan_file.read_text())["plan"].items():
+        original = type(reference.get_submodule(name))
+        want = original if dtype == "fp32" else expected.get((dtype, original), CastWrapper)
+        assert type(tuned_model.get_submodule(name)) is want, name
+    accuracy = accuracy_eval(*digits(500))(tuned_model)
+    assert accuracy >= 0.99 * accuracy_eval(*digits(500))(reference)
+
+
+def test_list_shows_studies_with_trial_counts(tuned):
+    _, _, storage, _ = tuned
+    result = run("list", "--storage", storage)
+    assert result.exit_code == 0, result.output
+    name, trials = result.output.splitlines()[1].split()[:2]
+    assert name == "mnist" and int(trials) >= 1
+
+
+def test_report_writes_html_with_the_plot(tuned):
+    folder, _, storage, _ = tuned
+    out = folder / "report.html"
+    result = run("report", "mnist", "--storage", storage, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert '<img alt="accuracy vs latency" src="data:image/png;base64,' in page
+    assert "features.0" in page and "Baseline vs best" in page
+
+
+# ---- bad inputs: one clear message, exit code 2, no traceback ----
+
+def assert_clear_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  factory: autotune.workloads.mnist:model\ntuning: {max_trials: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:4:"):
+        load_config(bad)
+    assert_clear_error(run("tune", str(bad)), "bad.yaml:4:", "YAML syntax error")
+
+
+def test_unknown_key_names_the_field_path(tmp_path):
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["tuning"]["max_trial"] = 3
+    assert_clear_error(run("tune", str(write_yaml(tmp_path / "c.yaml", data))),
+                       "tuning.max_trial", "Extra inputs are not permitted")
+
+
+def test_wrong_type_names_the_field_path(tmp_path):
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["tuning"]["max_trials"] = "three"
+    data["evaluation"]["kwargs"] = "many"
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
+    assert_clear_error(result, "c.yaml", "tuning.max_trials", "valid integer", "evaluation.kwargs")
+
+
+def test_import_path_that_does_not_resolve(tmp_path):
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["model"]["factory"] = "autotune.workloads.mnist:no_such_model"
+    data["evaluation"]["eval_fn"] = "no_such_package.evals:make"
+    assert_clear_error(run("tune", str(write_yaml(tmp_path / "c.yaml", data))),
+                       "model.factory", "no_such_model", "evaluation.eval_fn", "no_such_package")
+
+
+def test_factory_that_raises_is_a_config_error(tmp_path):
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["model"] = {"factory": "torch.nn:Linear", "kwargs": {"in_features": 4}}
+    assert_clear_error(run("tune", str(write_yaml(tmp_path / "c.yaml", data))),
+                       "model.factory: torch.nn:Linear", "TypeError")
+
+
+def test_unset_environment_variable(tmp_path):
+    data = small_mnist("sqlite:///${AUTOTUNE_TEST_UNSET_DIR}/s.db")
+    assert_clear_error(run("tune", str(write_yaml(tmp_path / "c.yaml", data))),
+                       "tuning.storage", "AUTOTUNE_TEST_UNSET_DIR is not set")
+
+
+def dataset_config(files, **evaluation) -> dict:
+    return {"model": {"factory": "autotune.workloads.mnist:model"},
+            "evaluation": {"dataset": {"files": files}, "inputs": "image", "input_shape": [1, 28, 28],
+                           "label": "label", **evaluation}}
+
+
+def test_missing_dataset_file_is_named(tmp_path):
+    config = write_yaml(tmp_path / "c.yaml", dataset_config("${AUTOTUNE_TEST_DATA}/digits.parquet"))
+    result = run("tune", str(config), env={"AUTOTUNE_TEST_DATA": str(tmp_path / "data")})
+    assert_clear_error(result, "evaluation.dataset.files", f"dataset file not found: {tmp_path}/data/digits.parquet")
+
+
+@pytest.mark.parametrize("command", ["show", "export", "report"])
+def test_unknown_study_name(tuned, tmp_path, command):
+    _, _, storage, _ = tuned
+    extra = ["--out", str(tmp_path / "r.html")] if command == "report" else []
+    assert_clear_error(run(command, "no-such-study", "--storage", storage, *extra),
+                       "no study named 'no-such-study'", storage)
+
+
+def test_missing_storage_is_not_created(tmp_path):
+    storage = f"sqlite:///{tmp_path}/missing.db"
+    assert_clear_error(run("show", "mnist", "--storage", storage), storage)
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_plan_naming_modules_the_model_lacks(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"plan": {"features.0": "int8", "encoder.layer.9": "int8"}}))
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    assert_clear_error(run("apply", str(plan), "--config", str(config), "--out", str(tmp_path / "m.pt")),
+                       "encoder.layer.9", "plan.json")
+    assert not (tmp_path / "m.pt").exists()
+
+
+# ---- the built-in dataset evaluator ----
+
+def test_builtin_evaluator_on_a_parquet_file_matches_accuracy_eval(tmp_path):
+    import datasets
+
+    images, labels = digits(300)
+    datasets.Dataset.from_dict({"image": images.reshape(300, -1).numpy(), "label": labels.numpy()}) \
+        .to_parquet(str(tmp_path / "digits.parquet"))
+    config = load_config(write_yaml(tmp_path / "c.yaml", dataset_config("digits.parquet", batch_size=100)))
+    net = mnist_model()
+    assert config.evaluation.build()(net) == pytest.approx(accuracy_eval(images, labels)(net))
+
+
+def test_builtin_evaluator_csv_columns_and_mse_direction(tmp_path):
+    (tmp_path / "rows.csv").write_text("a,b,y\n1,2,3\n2,0,2\n0,1,1\n")
+    data = {"model": {"factory": "torch.nn:Linear", "kwargs": {"in_features": 2, "out_features": 1}},
+            "evaluation": {"dataset": {"files": "rows.csv"}, "inputs": ["a", "b"], "label": "y", "metric": "mse"}}
+    config = load_config(write_yaml(tmp_path / "c.yaml", data))
+    assert config.tuning.higher_is_better is False
+    net = config.build_model()
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1.0, 1.0]]))
+        net.bias.zero_()
+    assert config.evaluation.build()(net) == pytest.approx(0.0)
+
+
+def test_metrics():
+    labels = torch.tensor([0, 1, 1, 2])
+    logits = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 2]), 3).float()
+    assert score("accuracy", logits, labels) == pytest.approx(0.75)
+    assert macro_f1(torch.tensor([0, 1, 2, 2]), labels) == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
+    assert score("accuracy", torch.tensor([[2.0], [-1.0]]), torch.tensor([1, 1])) == pytest.approx(0.5)
