@@ -59,5 +59,6 @@ def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
     from autotune.search import exhaustive_order
     s = space(3)
     plans = exhaustive_order(s)
-    assert len({plan_key(p) for p in plans}) == len(plans) == s.size
-    assert plans[0] == s.fastest_plan() and all(d == "fp32" for d in plans[-1].values())
+    assert len({plan_key(p) for p in plans}) == len(plans) == s.size - 1     # all-fp32 is the baseline
+    assert plans[0] == s.fastest_plan()
+    assert all(any(d != "fp32" for d in p.values()) for p in plans)
