@@ -52,6 +52,10 @@ class Outcome:
     constraint: float  # accuracy loss minus the tolerable loss: feasible when <= 0
 
 
+def _outcome_of(trial: optuna.trial.FrozenTrial) -> Outcome:
+    return Outcome(bool(trial.user_attrs["passed"]), trial.values[0], trial.constraints["accuracy"])
+
+
 class TrialRunner:
     """Runs plans as Optuna trials: apply, evaluate, time against fp32 in the same run, record everything."""
 
@@ -61,9 +65,8 @@ class TrialRunner:
         self.study, self.space, self.fp32, self.eval_fn = study, space, fp32, eval_fn
         self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
         self.device = torch.device(config.device)
-        self.outcomes: dict[str, Outcome] = {
-            key: Outcome(bool(t.user_attrs["passed"]), t.values[0], t.constraints["accuracy"])
-            for key, t in studies.finished_by_plan(study).items()}
+        self.outcomes: dict[str, Outcome] = {}
+        self.refresh()
         self.failed: set[str] = set()
         self.eval_calls = 0
         self.last_was_duplicate = False
@@ -113,10 +116,20 @@ class TrialRunner:
         key = plan_key(plan)
         if key not in self.outcomes:
             self.study.enqueue_trial(plan, user_attrs={"source": source})
-            # Other queued trials (re-queued after a crash, or another worker's) may run first.
-            while key not in self.outcomes and key not in self.failed:
+            # Trials queued earlier (re-queued after a crash) run first; another worker may take ours.
+            queued = len(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+            for _ in range(queued):
+                if key in self.outcomes or key in self.failed:
+                    break
                 self.run_once()
+            if key not in self.outcomes and key not in self.failed:
+                self.refresh()
         return self.outcomes.get(key)
+
+    def refresh(self) -> None:
+        """Adds plans finished elsewhere (another worker on the same study) to what this runner knows."""
+        for key, trial in studies.finished_by_plan(self.study).items():
+            self.outcomes.setdefault(key, _outcome_of(trial))
 
 
 def _signals(study: optuna.Study, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
