@@ -74,9 +74,12 @@ def trial_plan(trial: FrozenTrial) -> Plan:
 
 
 def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """Trials that ran eval_fn to an end (complete or failed), duplicates excluded."""
+    """Trials whose eval_fn call ended (complete, or failed with a reason), duplicates excluded.
+
+    A trial failed by the heartbeat check (its process died mid-trial) has no fail_reason and does not count.
+    """
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-            if t.user_attrs.get("evaluated")]
+            if t.user_attrs.get("evaluated") and (t.state == TrialState.COMPLETE or "fail_reason" in t.user_attrs)]
 
 
 def finished_by_plan(study: optuna.Study) -> dict[str, FrozenTrial]:

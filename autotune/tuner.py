@@ -76,11 +76,12 @@ class TrialRunner:
         key = plan_key(plan)
         known = self.outcomes.get(key)
         self.last_was_duplicate = known is not None
+        # Set either way: a trial re-queued after a crash arrives with its stale trial's attributes.
+        trial.set_user_attr("evaluated", known is None)
         if known is not None:   # already evaluated: tell the sampler the stored result, spend no eval_fn call
             trial.set_user_attr("duplicate", True)
             trial.set_constraint("accuracy", known.constraint)
             return known.latency_ratio
-        trial.set_user_attr("evaluated", True)
         tuned = apply_plan(self.fp32, plan, self.calibration)
         self.eval_calls += 1
         try:
