@@ -54,7 +54,8 @@ def load_study(name: str, storage: str) -> optuna.Study:
 
 
 def missing_sqlite(url: str) -> bool:
-    return url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file()
+    path = studies.sqlite_path(url)
+    return path is not None and not path.is_file()
 
 
 def open_existing_storage(url: str):

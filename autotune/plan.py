@@ -18,6 +18,11 @@ def plan_key(plan: Plan) -> str:
     return json.dumps(dict(sorted(plan.items())), separators=(",", ":"))
 
 
+def is_baseline(plan: Plan) -> bool:
+    """Whether every module stays fp32: the baseline model, measured before any trial."""
+    return all(dtype == "fp32" for dtype in plan.values())
+
+
 def summarize(plan: Plan) -> str:
     counts = Counter(plan.values())
     return " ".join(f"{dtype}×{counts[dtype]}" for dtype in ("int8", "bf16", "fp16", "fp32") if counts[dtype])

@@ -1,6 +1,7 @@
 """What `autotune` hands back."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import optuna
@@ -37,13 +38,13 @@ class TuningResult:
                 ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
-        lines = [table([list(row) for row in rows]),f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
-                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
-                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
+        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
+                 f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
+                 f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         return "\n".join(lines)
 
 
-def table(rows: list[list[str]]) -> str:
+def table(rows: Sequence[Sequence[str]]) -> str:
     """Plain-text columns, first row as header."""
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width[i]) for i, cell in enumerate(row)).rstrip() for row in rows)

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Generator, Iterator
 
-from autotune.plan import Plan
+from autotune.plan import Plan, is_baseline
 
 # A generator of plans; each `yield` receives back whether that plan met the accuracy requirement.
 GuidedSearch = Generator[Plan, bool, None]
@@ -54,9 +54,6 @@ class SearchSpace:
     def fastest_plan(self) -> Plan:
         return {name: options[0] for name, options in self.choices.items()}
 
-    def uniform_plan(self, dtype: str) -> Plan:
-        return {name: dtype if dtype in options else "fp32" for name, options in self.choices.items()}
-
     def _safer_step(self, name: str, current: str) -> tuple[float, str]:
         """(error saved per ms lost, next dtype) for moving module `name` one step towards FP32."""
         errors, times = self.sensitivity[name], self.latency_ms[name]
@@ -70,7 +67,7 @@ class SearchSpace:
         """Plans from `start` to all-FP32, one module moved one step safer each time."""
         current = dict(start)
         path = [dict(current)]
-        while any(dtype != "fp32" for dtype in current.values()):
+        while not is_baseline(current):
             steps = {name: self._safer_step(name, dtype) for name, dtype in current.items() if dtype != "fp32"}
             name = max(steps, key=lambda n: (steps[n][0], n))
             current[name] = steps[name][1]
@@ -80,13 +77,13 @@ class SearchSpace:
 
 def exhaustive_order(space: SearchSpace) -> list[Plan]:
     """Every plan but all-FP32 (that is the baseline), fastest predicted first: the search of a small space."""
-    lowered = (plan for plan in space.all_plans() if any(dtype != "fp32" for dtype in plan.values()))
+    lowered = (plan for plan in space.all_plans() if not is_baseline(plan))
     return sorted(lowered, key=space.predicted_ms)
 
 
 def guided_search(space: SearchSpace) -> GuidedSearch:
     start = space.fastest_plan()
-    if all(dtype == "fp32" for dtype in start.values()):
+    if is_baseline(start):
         return
     if (yield start):
         return

@@ -26,9 +26,15 @@ GRACE_PERIOD_S = 30
 ATTR_PREFIX = "autotune."
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The database file of an `sqlite:///` URL, None for other storages."""
+    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+
+
 def open_storage(url: str) -> RDBStorage:
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    path = sqlite_path(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -51,9 +57,9 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
         sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True, group=True, n_startup_trials=5)
     study = optuna.create_study(study_name=study_name, storage=open_storage(config.storage), sampler=sampler,
                                 direction="minimize", load_if_exists=True)
-    stored = study.user_attrs.get(ATTR_PREFIX + "candidates")
+    stored = get_attr(study, "candidates")
     if stored is None:
-        study.set_user_attr(ATTR_PREFIX + "candidates", candidates)
+        set_attr(study, "candidates", candidates)
     elif stored != candidates:
         raise StudyMismatchError(
             f"study {study_name!r} in {config.storage} was made for other modules or dtypes "
