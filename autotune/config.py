@@ -83,6 +83,14 @@ class TuningConfig(StrictModel):
     max_trials: int = Field(40, ge=1, description="evaluated trials (eval_fn calls) in the study, resumes included")
     patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
+    trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
+                                        "trial fails and the search goes on")
+    objective: Literal["latency", "pareto"] = Field(
+        "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
+                               "latency vs accuracy loss (study.best_trials)")
+    groups: list[list[str]] = Field(default_factory=list,
+                                    description="lists of module names that must share one dtype")
+    group_qkv: bool = Field(True, description="q/k/v projections of one attention block share a dtype")
     study_name: str | None = Field(None, min_length=1, description="default: derived from model and search space")
     storage: str = Field(DEFAULT_STORAGE, min_length=1, description="Optuna storage URL")
     seed: int = 0
@@ -90,6 +98,9 @@ class TuningConfig(StrictModel):
     num_threads: int | None = Field(None, ge=1, description="threads while measuring; default: torch's current")
     warmup: int = Field(3, ge=0)
     repeats: int = Field(15, ge=3)
+    heartbeat_interval: int = Field(10, ge=1, description="seconds between a running trial's heartbeats")
+    grace_period: int = Field(30, ge=2, description="a running trial this long without a heartbeat is marked "
+                                                    "FAILED and its plan queued again")
 
     _single_to_list = field_validator("config_set", mode="before")(lambda value: _as_list(value))
 

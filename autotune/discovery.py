@@ -54,3 +54,21 @@ def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) ->
         raise NoTunableModulesError(
             f"{type(model).__name__} has no module of the tunable types {wanted} left after include/exclude")
     return candidates
+
+
+QKV_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))
+
+
+def qkv_groups(candidates: dict[str, list[str]]) -> list[list[str]]:
+    """The q/k/v projections of each attention block (siblings named query/key/value, q_proj/k_proj/v_proj
+    or q/k/v): they read the same input, so one dtype for all three is the natural unit."""
+    groups = []
+    parents = dict.fromkeys(name.rpartition(".")[0] for name in candidates)
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
+        for names in QKV_NAMES:
+            members = [prefix + child for child in names]
+            if all(member in candidates for member in members):
+                groups.append(members)
+                break
+    return groups

@@ -37,3 +37,7 @@ class PlanError(AutotuneError, ValueError):
 
 class StudyMismatchError(AutotuneError):
     """An existing study was created for another model or search space."""
+
+
+class EvalTimeoutError(AutotuneError):
+    """eval_fn ran past the per-trial timeout (TuningConfig.trial_timeout)."""

@@ -1,78 +1,148 @@
-"""Search strategy: the pruned search space and the guided candidates tried before Optuna's sampler.
+"""The search space and the guided candidates tried before Optuna's sampler.
 
-Guided phase: try the plan that is fastest by the per-module timings; if it misses the accuracy requirement,
-walk back towards FP32 along the fallback path (each step moves the module with the most output error saved
-per millisecond lost to its next safer dtype) and bisect for the fastest passing point: O(log N) evaluations.
+Units: a unit is one module, or a group of modules that must share a dtype; the search assigns dtypes to units
+and `SearchSpace.expand` turns that into a per-module plan.
+
+Guided phase, O(log N) evaluations:
+1. uniform seeds: every unit in one dtype (where allowed), fastest predicted first; if the fastest passes,
+   nothing can beat it;
+2. knapsack bisection: for a budget B of predicted output noise, the knapsack plan is the fastest plan (by the
+   per-unit timings) whose summed noise stays within B. Bisecting B on a log scale between the baseline (passes)
+   and the fastest plan (fails) finds the passing boundary; plans repeat between budgets, so each distinct plan
+   costs at most one evaluation.
+Noise is the squared output error of the unit lowered alone: independent rounding errors add in variance.
 What budget is left then goes, in a small space, to the remaining plans fastest-predicted first, and in a
 large one to Optuna's TPE sampler around the best plans (in the tuner).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Generator, Iterator
 
-from autotune.plan import Plan, is_baseline
+import numpy as np
 
-# A generator of plans; each `yield` receives back whether that plan met the accuracy requirement.
+from autotune.errors import ConfigError
+from autotune.plan import Plan, is_baseline, plan_key
+
+# A generator of unit plans; each `yield` receives back whether that plan met the accuracy requirement.
 GuidedSearch = Generator[Plan, bool, None]
+KNAPSACK_BINS = 2000          # resolution of the noise budget in the knapsack
+BUDGET_RESOLUTION = 0.01      # bisection stops when the passing and failing budgets are within 1 %
+MAX_BISECTION_STEPS = 40      # each step costs an evaluation only when it reaches a plan not seen before
+
+
+def unit_name(members: list[str]) -> str:
+    """`parent.{a,b,c}` for siblings, the members joined with `+` otherwise; a single module keeps its name."""
+    if len(members) == 1:
+        return members[0]
+    parents = {name.rpartition(".")[0] for name in members}
+    if len(parents) == 1:
+        parent = parents.pop()
+        return f"{parent + '.' if parent else ''}{{{','.join(n.rpartition('.')[2] for n in members)}}}"
+    return "+".join(members)
+
+
+def units_of(candidates: dict[str, list[str]], groups: list[list[str]]) -> dict[str, list[str]]:
+    """{unit name: member modules} in model order; modules in no group are units of their own."""
+    owner: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for name in group:
+            if name not in candidates:
+                raise ConfigError(f"groups.{index}: {name!r} is not a tunable module of this model",
+                                  [(f"groups.{index}", name)])
+            if name in owner:
+                raise ConfigError(f"groups.{index}: {name!r} is already in group {owner[name]}",
+                                  [(f"groups.{index}", name)])
+            owner[name] = index
+    units: dict[str, list[str]] = {}
+    for name in candidates:
+        if name not in owner:
+            units[name] = [name]
+        elif name == next(m for m in candidates if owner.get(m) == owner[name]):
+            members = [m for m in candidates if owner.get(m) == owner[name]]
+            units[unit_name(members)] = members
+    return units
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    choices: dict[str, list[str]]                  # per module, fastest first; fp32 always present
-    sensitivity: dict[str, dict[str, float]]       # output error with only that module lowered
-    latency_ms: dict[str, dict[str, float]]        # the module alone, per dtype
+    choices: dict[str, list[str]]                  # per unit, fastest first; fp32 always present
+    members: dict[str, list[str]]                  # per unit, its modules
+    sensitivity: dict[str, dict[str, float]]       # per unit: output error with only that unit lowered
+    latency_ms: dict[str, dict[str, float]]        # per unit: its modules alone, per dtype
 
     @classmethod
     def build(cls, candidates: dict[str, list[str]], sensitivity: dict[str, dict[str, float]],
-              latency_ms: dict[str, dict[str, float]]) -> "SearchSpace":
-        """Drops, per module, every dtype measured slower than fp32 or that broke the output (inf error)."""
-        choices = {}
-        for name, dtypes in candidates.items():
-            times = latency_ms[name]
-            kept = [d for d in dtypes if d == "fp32" or (times[d] < times["fp32"]
-                                                       and sensitivity[name][d] != float("inf"))]
-            choices[name] = sorted(kept, key=lambda d: (times[d], d))
-        return cls(choices, sensitivity, latency_ms)
+              latency_ms: dict[str, dict[str, float]], groups: list[list[str]] = ()) -> "SearchSpace":
+        """Per unit: the dtypes every member takes, minus those measured slower than fp32 or with inf error."""
+        units = units_of(candidates, list(groups))
+        choices, unit_error, unit_ms = {}, {}, {}
+        for unit, names in units.items():
+            shared = [d for d in candidates[names[0]] if all(d in candidates[n] for n in names)]
+            unit_ms[unit] = {d: sum(latency_ms[n][d] for n in names) for d in shared}
+            # Errors of members lowered together add in variance.
+            unit_error[unit] = {d: math.sqrt(sum(sensitivity[n][d] ** 2 for n in names)) for d in shared}
+            kept = [d for d in shared if d == "fp32" or (unit_ms[unit][d] < unit_ms[unit]["fp32"]
+                                                         and math.isfinite(unit_error[unit][d]))]
+            choices[unit] = sorted(kept, key=lambda d: (unit_ms[unit][d], d))
+        return cls(choices, units, unit_error, unit_ms)
 
     @property
     def size(self) -> int:
-        size = 1
-        for options in self.choices.values():
-            size *= len(options)
-        return size
+        return math.prod(len(options) for options in self.choices.values())
+
+    def expand(self, unit_plan: Plan) -> Plan:
+        """The per-module plan: every member of a unit takes the unit's dtype."""
+        return {name: unit_plan[unit] for unit, names in self.members.items() for name in names}
 
     def predicted_ms(self, plan: Plan) -> float:
-        return sum(self.latency_ms[name][dtype] for name, dtype in plan.items())
+        return sum(self.latency_ms[unit][dtype] for unit, dtype in plan.items())
+
+    def predicted_noise(self, plan: Plan) -> float:
+        return sum(self.sensitivity[unit][dtype] ** 2 for unit, dtype in plan.items())
 
     def all_plans(self) -> Iterator[Plan]:
-        names = list(self.choices)
-        for dtypes in itertools.product(*(self.choices[name] for name in names)):
-            yield dict(zip(names, dtypes))
+        units = list(self.choices)
+        for dtypes in itertools.product(*(self.choices[unit] for unit in units)):
+            yield dict(zip(units, dtypes))
 
     def fastest_plan(self) -> Plan:
-        return {name: options[0] for name, options in self.choices.items()}
+        return {unit: options[0] for unit, options in self.choices.items()}
 
-    def _safer_step(self, name: str, current: str) -> tuple[float, str]:
-        """(error saved per ms lost, next dtype) for moving module `name` one step towards FP32."""
-        errors, times = self.sensitivity[name], self.latency_ms[name]
-        safer = [d for d in self.choices[name] if errors[d] < errors[current]] or ["fp32"]
-        target = safer[0]
-        saved = errors[current] - errors[target]
-        lost = max(times[target] - times[current], 1e-6)
-        return saved / lost, target
+    def uniform_plans(self) -> list[Plan]:
+        """For each lowered dtype, every unit that allows it in it (the rest fp32); fastest predicted first."""
+        dtypes = {d for options in self.choices.values() for d in options if d != "fp32"}
+        plans = [{unit: d if d in options else "fp32" for unit, options in self.choices.items()} for d in dtypes]
+        return sorted(plans, key=lambda plan: (self.predicted_ms(plan), sorted(plan.values())))
 
-    def fallback_path(self, start: Plan) -> list[Plan]:
-        """Plans from `start` to all-FP32, one module moved one step safer each time."""
-        current = dict(start)
-        path = [dict(current)]
-        while not is_baseline(current):
-            steps = {name: self._safer_step(name, dtype) for name, dtype in current.items() if dtype != "fp32"}
-            name = max(steps, key=lambda n: (steps[n][0], n))
-            current[name] = steps[name][1]
-            path.append(dict(current))
-        return path
+    def knapsack_plan(self, budget: float) -> Plan:
+        """The fastest predicted plan whose summed noise is at most `budget` (multiple-choice knapsack)."""
+        units = list(self.choices)
+        capacity = np.zeros(KNAPSACK_BINS + 1)          # best predicted ms per capacity used so far
+        picks = np.zeros((len(units), KNAPSACK_BINS + 1), dtype=np.int16)
+        for row, unit in enumerate(units):
+            best = np.full(KNAPSACK_BINS + 1, np.inf)
+            for index, dtype in enumerate(self.choices[unit]):
+                noise = self.sensitivity[unit][dtype] ** 2
+                weight = 0 if noise == 0 else (math.ceil(noise / budget * KNAPSACK_BINS) if budget > 0
+                                               else KNAPSACK_BINS + 1)
+                if weight > KNAPSACK_BINS:
+                    continue
+                option = np.full(KNAPSACK_BINS + 1, np.inf)
+                option[weight:] = capacity[:KNAPSACK_BINS + 1 - weight] + self.latency_ms[unit][dtype]
+                better = option < best
+                best[better], picks[row][better] = option[better], index
+            capacity = best
+        plan, left = {}, KNAPSACK_BINS
+        for row in range(len(units) - 1, -1, -1):
+            unit = units[row]
+            dtype = self.choices[unit][picks[row][left]]
+            plan[unit] = dtype
+            noise = self.sensitivity[unit][dtype] ** 2
+            left -= 0 if noise == 0 else math.ceil(noise / budget * KNAPSACK_BINS)
+        return {unit: plan[unit] for unit in units}
 
 
 def exhaustive_order(space: SearchSpace) -> list[Plan]:
@@ -81,17 +151,36 @@ def exhaustive_order(space: SearchSpace) -> list[Plan]:
     return sorted(lowered, key=space.predicted_ms)
 
 
-def guided_search(space: SearchSpace) -> GuidedSearch:
-    start = space.fastest_plan()
-    if is_baseline(start):
+def knapsack_bisection(space: SearchSpace, failing_budget: float) -> GuidedSearch:
+    """Bisects the noise budget between the baseline (0, passes) and `failing_budget` (fails)."""
+    positive = [space.sensitivity[u][d] ** 2 for u, options in space.choices.items() for d in options
+                if space.sensitivity[u][d] > 0]
+    if not positive or failing_budget <= 0:
         return
-    if (yield start):
-        return
-    path = space.fallback_path(start)
-    failing, passing = 0, len(path) - 1   # the all-FP32 end is the baseline, which passes
-    while passing - failing > 1:
-        middle = (failing + passing) // 2
-        if (yield path[middle]):
+    passing = 0.0
+    floor = min(positive)
+    results: dict[str, bool] = {}     # plans recur between budgets: each is yielded once
+    for _ in range(MAX_BISECTION_STEPS):
+        low = max(passing, floor)
+        if failing_budget <= low * (1 + BUDGET_RESOLUTION):
+            return
+        middle = math.sqrt(low * failing_budget)
+        plan = space.knapsack_plan(middle)
+        key = plan_key(plan)
+        if key not in results:
+            results[key] = True if is_baseline(plan) else (yield plan)
+        if results[key]:
             passing = middle
         else:
-            failing = middle
+            failing_budget = middle
+
+
+def guided_search(space: SearchSpace) -> GuidedSearch:
+    fastest = space.fastest_plan()
+    if is_baseline(fastest) or (yield fastest):
+        return
+    best_passing_ms = math.inf
+    for plan in space.uniform_plans():
+        if plan != fastest and space.predicted_ms(plan) < best_passing_ms and (yield plan):
+            best_passing_ms = space.predicted_ms(plan)
+    yield from knapsack_bisection(space, space.predicted_noise(fastest))

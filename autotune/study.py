@@ -5,13 +5,17 @@ in the same trial, and every measurement is a trial user attribute, so `optuna.l
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import optuna
+import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
@@ -19,10 +23,6 @@ from autotune.config import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
 
-# A process killed mid-trial stops beating; after the grace period another run marks its trial FAILED and
-# the retry callback re-queues the same plan.
-HEARTBEAT_INTERVAL_S = 10
-GRACE_PERIOD_S = 30
 ATTR_PREFIX = "autotune."
 
 
@@ -31,21 +31,42 @@ def sqlite_path(url: str) -> Path | None:
     return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
 
 
-def open_storage(url: str) -> RDBStorage:
+def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:
+    """An RDB storage whose running trials beat: a process killed mid-trial stops beating, and after the grace
+    period the next run (or another worker) marks its trial FAILED and the retry callback queues the plan again.
+
+    SQLite runs in WAL mode with synchronous=NORMAL and waits up to a minute for a lock instead of failing with
+    "database is locked": several workers on one machine share one file safely, readers never block the writer,
+    and a commit costs no fsync (Optuna commits every param and attribute). A killed process loses nothing
+    committed; only an OS crash or power cut can lose the last commits, never corrupt the file.
+    """
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                          grace_period=GRACE_PERIOD_S,
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+        storage = RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
+                             grace_period=grace_period,
+                             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+    if url.startswith("sqlite"):
+        sqlalchemy.event.listen(storage.engine, "connect", _sqlite_wal)
+        storage.engine.dispose()   # connections opened while creating the schema lack the pragmas
+    return storage
+
+
+def _sqlite_wal(connection, _record) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
-    space = json.dumps([candidates, config.tolerable_loss, config.loss_kind, config.higher_is_better,
-                        config.device], sort_keys=True)
+    settings = [candidates, config.tolerable_loss, config.loss_kind, config.higher_is_better, config.device]
+    if config.objective != "latency":   # its study has two directions; latency-only names stay as they were
+        settings.append(config.objective)
+    space = json.dumps(settings, sort_keys=True)
     return f"{model_class}-{hashlib.sha1(space.encode()).hexdigest()[:10]}"
 
 
@@ -54,9 +75,16 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Trials carry their accuracy constraint (Trial.set_constraint), which TPE reads on its own.
-        sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True, group=True, n_startup_trials=5)
-    study = optuna.create_study(study_name=study_name, storage=open_storage(config.storage), sampler=sampler,
-                                direction="minimize", load_if_exists=True)
+        # constant_liar: parallel workers steer away from the plans the others are running.
+        sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True, group=True, n_startup_trials=5,
+                                             constant_liar=True)
+    directions = ["minimize"] if config.objective == "latency" else ["minimize", "minimize"]
+    storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
+    study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
+                                directions=directions, load_if_exists=True)
+    if len(study.directions) != len(directions):
+        raise StudyMismatchError(f"study {study_name!r} in {config.storage} was made for another objective "
+                                 f"({len(study.directions)} objectives); use another study_name")
     stored = get_attr(study, "candidates")
     if stored is None:
         set_attr(study, "candidates", candidates)
@@ -75,7 +103,29 @@ def set_attr(study: optuna.Study, key: str, value: Any) -> None:
     study.set_user_attr(ATTR_PREFIX + key, value)
 
 
+@contextmanager
+def plan_lock(study: optuna.Study) -> Iterator[None]:
+    """Serialises claims on plans among the processes of one machine that tune this study."""
+    storage = study._storage  # noqa: SLF001 - the URL identifies the study's database across processes
+    url = getattr(getattr(storage, "engine", None), "url", None)
+    identity = f"{url.render_as_string(hide_password=False) if url is not None else id(storage)}|{study.study_name}"
+    path = sqlite_path(str(url)) if url is not None else None
+    if path is not None:   # a relative SQLite path means the same file from any working directory
+        identity = f"{path.resolve()}|{study.study_name}"
+    lock_dir = Path(tempfile.gettempdir()) / "autotune-locks"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / f"{hashlib.sha1(identity.encode()).hexdigest()}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def trial_plan(trial: FrozenTrial) -> Plan:
+    """The per-module plan of a trial (its params name units: a group of modules is one param)."""
+    if "plan" in trial.user_attrs:
+        return dict(trial.user_attrs["plan"])
     return {name: str(dtype) for name, dtype in trial.params.items()}
 
 
@@ -88,16 +138,33 @@ def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
             if t.user_attrs.get("evaluated") and (t.state == TrialState.COMPLETE or "fail_reason" in t.user_attrs)]
 
 
-def finished_by_plan(study: optuna.Study) -> dict[str, FrozenTrial]:
-    """The first completed, evaluated trial of each plan: what a resumed search reuses instead of re-evaluating."""
-    found: dict[str, FrozenTrial] = {}
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if trial.user_attrs.get("evaluated"):
-            found.setdefault(plan_key(trial_plan(trial)), trial)
-    return found
+def plan_results(study: optuna.Study) -> tuple[dict[str, FrozenTrial], set[str]]:
+    """In one read of the storage: the first completed, evaluated trial of each plan (what a resumed search
+    reuses instead of evaluating again), and the plans whose eval_fn call failed (raised, timed out, returned
+    no number), which are not evaluated again either."""
+    finished: dict[str, FrozenTrial] = {}
+    failed: set[str] = set()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+        if not trial.user_attrs.get("evaluated"):
+            continue
+        if trial.state == TrialState.COMPLETE:
+            finished.setdefault(plan_key(trial_plan(trial)), trial)
+        elif "fail_reason" in trial.user_attrs:
+            failed.add(plan_key(trial_plan(trial)))
+    return finished, failed
+
+
+def running_claims(study: optuna.Study) -> dict[str, int]:
+    """{plan key: trial number} of the plans running trials have claimed (see TrialRunner.objective)."""
+    return {t.user_attrs["plan_key"]: t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if "plan_key" in t.user_attrs}
+
+
+def waiting_trials(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
 
 def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Completed trials that met the accuracy requirement, fastest first."""
-    return sorted((t for t in finished_by_plan(study).values() if t.user_attrs.get("passed")),
+    return sorted((t for t in plan_results(study)[0].values() if t.user_attrs.get("passed")),
                   key=lambda t: t.values[0])

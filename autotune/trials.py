@@ -1,0 +1,186 @@
+"""Running plans as Optuna trials: claim, apply, evaluate, time against fp32 in the same run, record everything.
+
+Several processes may tune one study at once. Each plan is evaluated at most once across all of them: a trial
+claims its plan under a lock before evaluating, and a trial whose plan another process is running waits for
+that result and records it as a duplicate (no eval_fn call).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import optuna
+import torch
+from torch import nn
+
+from autotune import study as studies
+from autotune.backends import CallInputs
+from autotune.config import TuningConfig
+from autotune.errors import EvalFunctionError
+from autotune.measure import weight_bytes
+from autotune.plan import Plan, apply_plan, plan_key, summarize
+from autotune.search import SearchSpace
+from autotune.signals import Measurer
+from autotune.timeout import call_with_timeout
+
+log = logging.getLogger("autotune")
+EvalFn = Callable[[nn.Module], Any]
+CLAIM_POLL_S = 0.5
+
+
+def score_of(value: Any) -> float:
+    """eval_fn's return as a finite float, or EvalFunctionError saying what came back instead."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EvalFunctionError(f"eval_fn must return a number; it returned {type(value).__name__} {value!r:.80}")
+    if not math.isfinite(value):
+        raise EvalFunctionError(f"eval_fn returned {value}, not a finite number")
+    return float(value)
+
+
+class TrialFailed(Exception):
+    """An eval_fn failure inside one trial: Optuna records the trial FAILED and the search goes on."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    passed: bool
+    latency_ratio: float
+    loss: float          # accuracy loss in the configured kind
+    tolerable_loss: float
+
+    @property
+    def constraint(self) -> float:   # feasible when <= 0
+        return self.loss - self.tolerable_loss
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Marks trials of dead processes FAILED (their plans are queued again by the retry callback)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+class TrialRunner:
+    def __init__(self, study: optuna.Study, space: SearchSpace, fp32: nn.Module, eval_fn: EvalFn,
+                 inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
+                 config: TuningConfig, measurer: Measurer):
+        self.study, self.space, self.fp32, self.eval_fn = study, space, fp32, eval_fn
+        self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
+        self.measurer = measurer
+        self.outcomes: dict[str, Outcome] = {}
+        self.failed: set[str] = set()
+        self.refresh()
+        self.eval_calls = 0
+        self.last_was_duplicate = False
+
+    def _values(self, outcome: Outcome) -> float | tuple[float, float]:
+        return outcome.latency_ratio if self.config.objective == "latency" else (outcome.latency_ratio, outcome.loss)
+
+    def _claim(self, trial: optuna.Trial, key: str) -> None:
+        """Returns once `key` is finished or failed somewhere, or claimed for `trial`; waits while another
+        process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
+        while True:
+            with studies.plan_lock(self.study):
+                self.refresh()
+                if key in self.outcomes or key in self.failed:
+                    return
+                holder = studies.running_claims(self.study).get(key, trial.number)
+                if holder == trial.number:
+                    trial.set_user_attr("plan_key", key)
+                    return
+            time.sleep(CLAIM_POLL_S)
+            fail_stale_trials(self.study)
+
+    def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        unit_plan = {unit: trial.suggest_categorical(unit, options) for unit, options in self.space.choices.items()}
+        plan = self.space.expand(unit_plan)
+        key = plan_key(plan)
+        trial.set_user_attr("plan", plan)
+        self._claim(trial, key)
+        known = self.outcomes.get(key)
+        self.last_was_duplicate = known is not None or key in self.failed
+        # Set either way: a trial re-queued after a crash arrives with its stale trial's attributes.
+        trial.set_user_attr("evaluated", not self.last_was_duplicate)
+        if self.last_was_duplicate:   # spend no eval_fn call: tell the sampler the stored result
+            trial.set_user_attr("duplicate", True)
+            if known is None:
+                raise TrialFailed("this plan failed in an earlier trial")
+            if self.config.objective == "latency":
+                trial.set_constraint("accuracy", known.constraint)
+            return self._values(known)
+        return self._evaluate(trial, plan, key)
+
+    def _evaluate(self, trial: optuna.Trial, plan: Plan, key: str) -> float | tuple[float, float]:
+        tuned = apply_plan(self.fp32, plan, self.calibration)
+        self.eval_calls += 1
+        try:
+            accuracy = score_of(call_with_timeout(self.eval_fn, tuned, self.config.trial_timeout))
+        except Exception as exc:  # the user's code: any failure fails this trial only
+            self.failed.add(key)
+            trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
+            log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
+            raise TrialFailed(str(exc)) from exc
+        timing = self.measurer.latency({"fp32": self.fp32, "plan": tuned}, self.inputs, self.config.repeats)
+        loss = self.config.accuracy_loss(self.baseline, accuracy)
+        outcome = Outcome(loss <= self.config.tolerable_loss, timing["plan"].median_ms / timing["fp32"].median_ms,
+                          loss, self.config.tolerable_loss)
+        if self.config.objective == "latency":
+            trial.set_constraint("accuracy", outcome.constraint)
+        for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
+                            ("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
+                            ("fp32_latency_ms", timing["fp32"].median_ms), ("weight_bytes", weight_bytes(tuned)),
+                            ("plan_summary", summarize(plan))):
+            trial.set_user_attr(name, value)
+        self.outcomes[key] = outcome
+        log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32 %s", trial.number,
+                 trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss,
+                 outcome.latency_ratio, "pass" if outcome.passed else "FAIL")
+        return self._values(outcome)
+
+    def run_once(self) -> None:
+        self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,))
+
+    def run_plan(self, unit_plan: Plan, source: str) -> Outcome | None:
+        """The outcome of `unit_plan`, evaluating it only if no trial has it yet; None if its trial failed.
+
+        Queued trials run in order (plans re-queued after a crash first), so this may run others before ours;
+        while another process runs ours, this waits for its result.
+        """
+        key = plan_key(self.space.expand(unit_plan))
+        queued = False
+        while True:
+            self.refresh()
+            if key in self.outcomes or key in self.failed:
+                return self.outcomes.get(key)
+            if not queued:
+                self.study.enqueue_trial(unit_plan, user_attrs={"source": source})
+                queued = True
+            if studies.waiting_trials(self.study):
+                self.run_once()
+                continue
+            # Our plan's trial is running elsewhere, or died: wait, then queue it again if nobody holds it.
+            time.sleep(CLAIM_POLL_S)
+            fail_stale_trials(self.study)
+            queued = key in studies.running_claims(self.study)
+
+    def run_queued(self) -> None:
+        """Runs the plans still queued (re-queued after a crash, or left by a stopped worker)."""
+        while studies.waiting_trials(self.study):
+            self.run_once()
+
+    def refresh(self) -> None:
+        """Adds plans finished elsewhere (another worker or an earlier run) to what this runner knows."""
+        finished, failed = studies.plan_results(self.study)
+        for key, trial in finished.items():
+            if key not in self.outcomes:
+                loss = trial.user_attrs["accuracy_loss"]
+                self.outcomes[key] = Outcome(loss <= self.config.tolerable_loss, trial.values[0], loss,
+                                             self.config.tolerable_loss)
+        self.failed |= failed
