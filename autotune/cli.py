@@ -4,6 +4,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import subprocess
+import sys
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +24,7 @@ from autotune.errors import AutotuneError, PlanError
 from autotune.file_config import FileConfig, load_config
 from autotune.plan import Plan, apply_plan, summarize, validate_plan
 from autotune.result import table
-from autotune.tuner import autotune, search_candidates, study_name_for
+from autotune.tuner import finish, search, search_candidates, start_runner, study_name_for
 
 storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
 
@@ -116,10 +120,14 @@ def progress(total: int, done: int, verbose: bool) -> Iterator[None]:
 @click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
 @click.option("--storage", default=None, help="override tuning.storage")
 @click.option("--study-name", default=None, help="override tuning.study_name")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="processes tuning the study at once on this machine; they share max_trials")
+@click.option("--worker", is_flag=True, hidden=True, help="run trials only; the starting process reports")
 @click.option("-v", "--verbose", is_flag=True, help="log every trial instead of a progress bar")
-def tune(config_path: str, storage: str | None, study_name: str | None, verbose: bool) -> None:
+def tune(config_path: str, storage: str | None, study_name: str | None, workers: int, worker: bool,
+         verbose: bool) -> None:
     """Tune the model of a YAML CONFIG (resumes its study)."""
-
+    started = time.monotonic()
     config = load_config(config_path)
     tuning = config.tuning.model_copy()
     if storage:
@@ -128,11 +136,30 @@ def tune(config_path: str, storage: str | None, study_name: str | None, verbose:
         tuning.study_name = study_name
     model = config.build_model()
     eval_fn = config.evaluation.build()
+    if worker:
+        runner = start_runner(model, tuning, eval_fn, config.build_example_inputs())
+        search(runner, started)
+        click.echo(f"worker {os.getpid()}: {runner.eval_calls} eval_fn calls")
+        return
     name, done = evaluated_so_far(model, tuning)
     click.echo(f"study {name!r} in {tuning.storage}: " + (f"resuming after {done} evaluated trials" if done
-                                                           else "new"))
-    with progress(tuning.max_trials, done, verbose):
-        result = autotune(model, tuning, eval_fn, config.build_example_inputs())
+                                                           else "new") + (f"; {workers} workers" if workers > 1 else ""))
+    command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
+               "--study-name", name]
+    helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
+    try:
+        with progress(tuning.max_trials, done, verbose):
+            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs())
+            search(runner, started)
+        failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
+    finally:
+        for helper in helpers:
+            if helper.poll() is None:
+                helper.kill()
+    if failed:
+        raise CliError(f"{len(failed)} of {workers - 1} worker processes failed (exit codes {failed}); every "
+                       "finished trial is kept: run the same command again to resume")
+    result = finish(runner, started)
     click.echo(result.summary())
     click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
 

@@ -104,14 +104,11 @@ def set_attr(study: optuna.Study, key: str, value: Any) -> None:
 
 
 @contextmanager
-def plan_lock(study: optuna.Study) -> Iterator[None]:
+def plan_lock(storage_url: str, study_name: str) -> Iterator[None]:
     """Serialises claims on plans among the processes of one machine that tune this study."""
-    storage = study._storage  # noqa: SLF001 - the URL identifies the study's database across processes
-    url = getattr(getattr(storage, "engine", None), "url", None)
-    identity = f"{url.render_as_string(hide_password=False) if url is not None else id(storage)}|{study.study_name}"
-    path = sqlite_path(str(url)) if url is not None else None
-    if path is not None:   # a relative SQLite path means the same file from any working directory
-        identity = f"{path.resolve()}|{study.study_name}"
+    path = sqlite_path(storage_url)
+    # A relative SQLite path names the same file from any working directory only once resolved.
+    identity = f"{path.resolve() if path is not None else storage_url}|{study_name}"
     lock_dir = Path(tempfile.gettempdir()) / "autotune-locks"
     lock_dir.mkdir(exist_ok=True)
     with open(lock_dir / f"{hashlib.sha1(identity.encode()).hexdigest()}.lock", "w") as handle:

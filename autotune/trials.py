@@ -87,11 +87,14 @@ class TrialRunner:
         """Returns once `key` is finished or failed somewhere, or claimed for `trial`; waits while another
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
         while True:
-            with studies.plan_lock(self.study):
+            with studies.plan_lock(self.config.storage, self.study.study_name):
+                # Claims first, results second: a holder that finishes between the two reads shows up as
+                # finished; read the other way round, it would show as neither and be evaluated again.
+                claims = studies.running_claims(self.study)
                 self.refresh()
                 if key in self.outcomes or key in self.failed:
                     return
-                holder = studies.running_claims(self.study).get(key, trial.number)
+                holder = claims.get(key, trial.number)
                 if holder == trial.number:
                     trial.set_user_attr("plan_key", key)
                     return

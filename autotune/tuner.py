@@ -50,11 +50,6 @@ def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> lis
     return groups
 
 
-def _search(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
-    _guided_then_sampled(runner, config, deadline)
-    runner.run_queued()   # plans re-queued after a crash are retried even when the budget is spent
-
-
 def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
     def budget_left() -> bool:
         return len(studies.evaluated_trials(runner.study)) < config.max_trials and time.monotonic() < deadline
@@ -83,7 +78,9 @@ def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: fl
         for plan in exhaustive_order(runner.space):
             if not budget_left() or stale >= config.patience:
                 return
-            if plan_key(runner.space.expand(plan)) not in runner.outcomes:
+            key = plan_key(runner.space.expand(plan))
+            # A plan another worker is running is theirs: move on rather than wait for it.
+            if key not in runner.outcomes and key not in studies.running_claims(runner.study):
                 runner.run_plan(plan, "exhaustive")
                 note_progress()
         return
@@ -130,6 +127,18 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     `measurer` replaces on-device measurement (signals and latency), e.g. with a simulator.
     """
     started = time.monotonic()
+    runner = start_runner(model, tune_config, eval_fn, example_inputs, measurer)
+    search(runner, started)
+    return finish(runner, started)
+
+
+def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn, example_inputs: Any = None,
+                 measurer: Measurer | None = None) -> TrialRunner:
+    """Opens (or joins) the study and makes it ready for trials: baseline score, signals, search space.
+
+    Several processes may do this on one study at once: the first evaluates the baseline and measures the
+    signals under the study's lock, the others reuse them.
+    """
     config = tune_config if isinstance(tune_config, TuningConfig) else TuningConfig.from_mapping(tune_config)
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
@@ -140,8 +149,7 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study)   # trials of a killed earlier run: FAILED now, their plans queued again
 
-    # Under the study's lock: workers starting together evaluate the baseline and measure signals once.
-    with studies.plan_lock(study):
+    with studies.plan_lock(config.storage, study.study_name):
         baseline = studies.get_attr(study, "baseline_accuracy")
         eval_calls = 0
         if baseline is None or example_inputs is None:
@@ -162,15 +170,26 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     space = SearchSpace.build(candidates, sensitivity, latency, module_groups(candidates, config))
     log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning", baseline,
              len(candidates), len(space.choices), space.size)
-
     runner = TrialRunner(study, space, fp32, eval_fn, inputs, calibration, baseline, config, measurer)
-    _search(runner, config, started + (config.timeout or math.inf))
-    plan, tuned, accuracy, timing = _verified_winner(runner, config)
+    runner.eval_calls = eval_calls
+    return runner
+
+
+def search(runner: TrialRunner, started: float) -> None:
+    """Runs trials until the budget (max_trials, timeout, patience) is spent; all processes share it."""
+    _guided_then_sampled(runner, runner.config, started + (runner.config.timeout or math.inf))
+    runner.run_queued()   # plans re-queued after a crash are retried even when the budget is spent
+
+
+def finish(runner: TrialRunner, started: float) -> TuningResult:
+    """The verified winner of the study, recorded on it as `best`."""
+    plan, tuned, accuracy, timing = _verified_winner(runner, runner.config)
+    study = runner.study
     studies.set_attr(study, "best", {"plan": plan, "accuracy": accuracy,
                                      "speedup": timing["fp32"].median_ms / timing["best"].median_ms})
     return TuningResult(
         model=tuned, plan=plan, study=study,
-        baseline=Measurement(baseline, timing["fp32"], weight_bytes(fp32)),
+        baseline=Measurement(runner.baseline, timing["fp32"], weight_bytes(runner.fp32)),
         best=Measurement(accuracy, timing["best"], weight_bytes(tuned)),
-        eval_calls=eval_calls + runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
+        eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started)

@@ -1,0 +1,62 @@
+"""Several processes tune one study at once (`autotune tune CONFIG --workers N`) on one SQLite file.
+
+Every evaluated plan appears once in the study, no eval_fn call repeats a plan another worker evaluated, no
+trial is left running or queued, and no "database is locked" error reaches the user.
+"""
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from autotune.plan import plan_key
+from autotune.study import evaluated_trials, trial_plan
+from test_resume_kill import cli_env
+
+MAX_TRIALS = 12
+
+
+def write_config(tmp_path: Path, log: Path) -> Path:
+    config = {
+        "model": {"factory": "resume_workload:model"},
+        "evaluation": {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}},
+        "example_inputs": {"factory": "resume_workload:example_inputs"},
+        "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "max_trials": MAX_TRIALS,
+                   "patience": 100, "repeats": 3, "warmup": 1, "num_threads": 1, "seed": 0, "study_name": "workers",
+                   "storage": f"sqlite:///{tmp_path}/s.db"},
+    }
+    path = tmp_path / "workers.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_workers_share_one_study_without_repeating_or_losing_a_plan(tmp_path, workers):
+    log = tmp_path / "evals.log"
+    config = write_config(tmp_path, log)
+    done = subprocess.run([sys.executable, "-m", "autotune", "tune", str(config), "--workers", str(workers)],
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "database is locked" not in output
+
+    study = optuna.load_study(study_name="workers", storage=f"sqlite:///{tmp_path}/s.db")
+    evaluated = evaluated_trials(study)
+    keys = [plan_key(trial_plan(t)) for t in evaluated]
+    assert len(keys) == len(set(keys)), "a plan was evaluated in two trials"
+    assert MAX_TRIALS <= len(evaluated) < MAX_TRIALS + workers    # the budget is shared, not per worker
+    assert not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING))
+
+    calls = [line.split() for line in log.read_text().splitlines()]
+    pids = {pid for pid, _ in calls}
+    lowered = collections.Counter(plan for _, plan in calls if "8" in plan)
+    # Each lowered plan is evaluated by one trial; the starting process re-evaluates the winner once more.
+    assert sum(lowered.values()) == len(evaluated) + 1, lowered
+    assert sum(count - 1 for count in lowered.values()) <= 1
+    assert len(pids) == workers, "every worker process ran eval_fn"
