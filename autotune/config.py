@@ -6,7 +6,7 @@ tolerance, lower-is-better metrics and a persistent Optuna storage.
 """
 from __future__ import annotations
 
-import threading
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -25,31 +25,25 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (str, BaseModel, dict)) else value
 
 
-_nesting = threading.local()
-
-
 class StrictModel(BaseModel):
     """Rejects unknown fields; turns pydantic's error into ConfigError naming each bad field's full path."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    def __init__(self, **data: Any):
-        # pydantic runs this for nested models too: only the outermost call converts, so paths stay whole.
-        depth = getattr(_nesting, "depth", 0)
-        _nesting.depth = depth + 1
+    def __init__(self, /, **data: Any):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            if depth:
-                raise
             raise ConfigError.from_validation(exc, type(self).__name__) from None
-        finally:
-            _nesting.depth = depth
+
+    # Marks this __init__ as pydantic's own: nested models are then validated directly instead of through it,
+    # so one error reaches the outermost call with every field's full path.
+    __init__.__pydantic_base_init__ = True
 
     @classmethod
     def from_mapping(cls, data: Any):
         if not isinstance(data, Mapping) or not all(isinstance(key, str) for key in data):
-            raise ConfigError(f"{cls.__name__} must be a mapping of field names to values, got {data!r:.80}",
+            raise ConfigError(f"{cls.__name__} must be a mapping of field names to values, got {reprlib.repr(data)}",
                               [(cls.__name__, "expected a mapping")])
         return cls(**data)
 

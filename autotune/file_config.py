@@ -46,7 +46,7 @@ def resolve(import_path: str) -> Any:
         raise ValueError(f"{import_path!r} is not an import path of the form 'package.module:name'")
     try:
         target = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, TypeError) as exc:   # TypeError: a relative name such as ".module"
         raise ValueError(f"cannot import module {module_name!r} of {import_path!r}: {exc}") from None
     for part in attribute.split("."):
         try:
@@ -209,21 +209,37 @@ def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") 
         _BASE_DIR.reset(token)
 
 
+def _where(path: Path, text: str, position: int) -> str:
+    """`file:line:column` of a character offset."""
+    line_start = text.rfind("\n", 0, position) + 1
+    return f"{path}:{text.count(chr(10), 0, position) + 1}:{position - line_start + 1}"
+
+
 def load_config(path: str | os.PathLike) -> FileConfig:
     """Reads and validates a YAML tuning file; every problem is a ConfigError naming the file and field."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{_where(path, raw.decode('utf-8', 'replace'), exc.start)}: not UTF-8 text "
+                          f"(byte {raw[exc.start]:#04x})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
+    except yaml.reader.ReaderError as exc:
+        raise ConfigError(f"{_where(path, text, exc.position)}: YAML syntax error: character {exc.character!r} "
+                          "is not allowed in YAML") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: YAML error: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with model, evaluation and tuning; "
                           f"got {type(data).__name__}")
