@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from autotune.config import DTYPES, MixedPrecisionConfig, TuningConfig
 from autotune.errors import ConfigError
