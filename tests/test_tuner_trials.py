@@ -1,4 +1,7 @@
 """Trial-level behaviour on a model whose int8 layers are measurably faster than fp32."""
+import time
+
+import pytest
 import torch
 from optuna.trial import TrialState
 from torch import nn
@@ -62,3 +65,34 @@ def test_the_users_model_is_untouched_when_tuning_raises(storage):
     except Exception as exc:
         assert "boom" in str(exc)
     assert_state_equal(model, before)
+
+
+def _sleep_past_timeout(net):
+    import time
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("failure,reason", [
+    (lambda net: float("nan"), "EvalFunctionError: eval_fn returned nan, not a finite number"),
+    (lambda net: float("inf"), "EvalFunctionError: eval_fn returned inf, not a finite number"),
+    (lambda net: None, "EvalFunctionError: eval_fn must return a number; it returned NoneType"),
+    (lambda net: "0.99", "EvalFunctionError: eval_fn must return a number; it returned str"),
+    (_sleep_past_timeout, "EvalTimeoutError: eval_fn ran past the per-trial timeout of 1 s"),
+])
+def test_a_trial_whose_eval_fn_gives_no_number_or_runs_too_long_fails_with_the_reason(storage, failure, reason):
+    model = wide_model()
+    score = fidelity_eval(model)
+
+    def eval_fn(net):
+        return failure(net) if isinstance(net[1][0], DynamicInt8Linear) else score(net)
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+                          max_trials=4, repeats=3, trial_timeout=1, storage=storage, study_name="bad-returns")
+    started = time.monotonic()
+    result = autotune(model, config, eval_fn, example_inputs=INPUTS)
+
+    failed = [t for t in result.study.trials if t.state == TrialState.FAIL]
+    assert failed and all(t.user_attrs["fail_reason"].startswith(reason) for t in failed)
+    assert any(t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated") for t in result.study.trials)
+    assert result.plan["1.0"] == "fp32"
+    assert time.monotonic() - started < 25   # the sleeping eval_fn was cut off, not waited for
