@@ -3,7 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: install demo test bench clean
+BENCH_VENV ?= .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+
+.PHONY: install demo test sentiment bench bench-install clean
 install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-nodeps.txt constraints.txt pyproject.toml
@@ -19,8 +22,22 @@ demo: install          ## tune the shipped MNIST CNN on real digits, SQLite stud
 test: install          ## the test suite
 	$(PY) -m pytest -q tests
 
-bench: install         ## MNIST tuning benchmark: latency ratio, accuracy, eval calls, wall time
-	$(PY) benchmarks/mnist_tuning.py
+sentiment: install     ## MiniLM encoder + sentiment head on human-rated movie sentences (prepares a data cache first)
+	$(PY) -m autotune.workloads.sentiment_data
+	$(VENV)/bin/autotune tune configs/minilm_sentiment.yaml
+
+bench-install: $(BENCH_VENV)/.installed
+
+# The benchmark environment adds Intel Neural Compressor (a peer to compare with) to the same pins.
+$(BENCH_VENV)/.installed: requirements.txt requirements-nodeps.txt constraints.txt pyproject.toml benchmarks/requirements-bench.txt
+	test -x $(BENCH_PY) || python3 -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q -c constraints.txt -r requirements.txt -r benchmarks/requirements-bench.txt
+	$(BENCH_PY) -m pip install -q -c constraints.txt --no-deps -r requirements-nodeps.txt
+	$(BENCH_PY) -m pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
+	touch $@
+
+bench: bench-install   ## search benchmark vs INC, uniform, random, oracle, simulator: writes benchmarks/results.md
+	$(BENCH_PY) benchmarks/harness.py
 
 clean:
-	rm -rf $(VENV) studies/*.db
+	rm -rf $(VENV) $(BENCH_VENV) studies/*.db
