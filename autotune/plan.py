@@ -4,10 +4,11 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
+from collections.abc import Iterable
 
 from torch import nn
 
-from autotune.backends import CallInputs, get_backend
+from autotune.backends import CallInputs, dtype_of, get_backend
 from autotune.errors import PlanError
 
 Plan = dict[str, str]
@@ -66,3 +67,8 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
         new = get_backend(dtype).apply(original, (calibration or {}).get(name))
         tuned = replace_module(tuned, name, new)
     return tuned
+
+
+def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:
+    """The plan a model built by apply_plan holds, read back from the module types at `names`."""
+    return {name: dtype_of(model.get_submodule(name)) for name in names}

@@ -29,9 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from autotune.backends.cast import CastWrapper
-from autotune.backends.int8 import DynamicInt8Linear
 from autotune.measure import LatencyStats
+from autotune.plan import plan_of as read_plan
 
 DTYPES = ("int8", "bf16", "fp32")
 WIDTH = 4
@@ -133,18 +132,8 @@ class SimWorkload:
 
 
 def plan_of(model: nn.Module) -> dict[str, str]:
-    """{module name: dtype} read from the lowered module types of a (lowered) simulator model."""
-    plan = {}
-    for name, module in model.named_children():
-        if isinstance(module, DynamicInt8Linear):
-            plan[name] = "int8"
-        elif isinstance(module, CastWrapper):
-            plan[name] = {torch.bfloat16: "bf16", torch.float16: "fp16"}[module.dtype]
-        elif isinstance(module, nn.Linear):
-            plan[name] = "fp32"
-        else:
-            raise TypeError(f"module {name}: unexpected {type(module).__name__}")
-    return plan
+    """{module name: dtype} of a (lowered) simulator model: every child is one tunable module."""
+    return read_plan(model, [name for name, _ in model.named_children()])
 
 
 class SimMeasurer:

@@ -25,26 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from autotune.backends.cast import CastWrapper
-from autotune.backends.int8 import DynamicInt8Linear, StaticInt8Conv2d
 from autotune.config import TuningConfig
-from autotune.plan import Plan, apply_plan, is_baseline, plan_key
+from autotune.plan import Plan, apply_plan, is_baseline, plan_key, plan_of
 
-HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def plan_of_model(model: nn.Module, names: list[str]) -> Plan:
-    """{module: dtype} of a model lowered by autotune's backends, read from the module types at `names`."""
-    plan = {}
-    for name in names:
-        module = model.get_submodule(name)
-        if isinstance(module, (DynamicInt8Linear, StaticInt8Conv2d)):
-            plan[name] = "int8"
-        elif isinstance(module, CastWrapper):
-            plan[name] = HALF[module.dtype]
-        else:
-            plan[name] = "fp32"
-    return plan
 
 
 class CountingEval:
@@ -56,7 +39,7 @@ class CountingEval:
         self.seconds = 0.0
 
     def __call__(self, model: nn.Module) -> Any:
-        key = plan_key(plan_of_model(model, self.names))
+        key = plan_key(plan_of(model, self.names))
         started = time.perf_counter()
         try:
             return self.eval_fn(model)

@@ -13,8 +13,10 @@ YAML configs import it as `resume_workload:model` etc. with this folder on PYTHO
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+import yaml
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,3 +74,18 @@ def fidelity_eval(delay_s: float = 1.2, seed: int = 2):
         return F.cosine_similarity(out.float(), reference, dim=1).mean().item()
 
     return eval_fn
+
+
+def write_config(folder: Path, study_name: str, evaluation: dict, **tuning) -> Path:
+    """A YAML config tuning this workload into `folder`/s.db: int8 or fp32 per layer, tolerance 0.01, quick timing."""
+    config = {
+        "model": {"factory": "resume_workload:model"},
+        "evaluation": evaluation,
+        "example_inputs": {"factory": "resume_workload:example_inputs"},
+        "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "repeats": 5, "warmup": 1,
+                   "num_threads": 1, "seed": 0, **tuning, "study_name": study_name,
+                   "storage": f"sqlite:///{folder}/s.db"},
+    }
+    path = folder / f"{study_name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

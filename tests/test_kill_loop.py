@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import optuna
-import yaml
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
@@ -30,18 +29,9 @@ MAX_TRIALS = 10
 
 
 def write_config(tmp_path: Path) -> Path:
-    config = {
-        "model": {"factory": "resume_workload:model"},
-        "evaluation": {"eval_fn": "resume_workload:fidelity_eval", "kwargs": {"delay_s": 0.5}},
-        "example_inputs": {"factory": "resume_workload:example_inputs"},
-        "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "max_trials": MAX_TRIALS,
-                   "patience": 100, "repeats": 3, "warmup": 1, "num_threads": 1, "seed": 0,
-                   "heartbeat_interval": 1, "grace_period": 2, "study_name": "kills",
-                   "storage": f"sqlite:///{tmp_path}/s.db"},
-    }
-    path = tmp_path / "kills.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return resume_workload.write_config(
+        tmp_path, "kills", {"eval_fn": "resume_workload:fidelity_eval", "kwargs": {"delay_s": 0.5}},
+        max_trials=MAX_TRIALS, patience=100, repeats=3, heartbeat_interval=1, grace_period=2)
 
 
 def finished(storage: str) -> dict[int, tuple]:

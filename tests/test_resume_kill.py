@@ -16,7 +16,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
 
 import resume_workload
@@ -27,17 +26,8 @@ MAX_TRIALS = 6
 
 
 def write_config(tmp_path: Path) -> Path:
-    config = {
-        "model": {"factory": "resume_workload:model"},
-        "evaluation": {"eval_fn": "resume_workload:fidelity_eval", "kwargs": {"delay_s": 1.2}},
-        "example_inputs": {"factory": "resume_workload:example_inputs"},
-        "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "max_trials": MAX_TRIALS,
-                   "repeats": 5, "warmup": 1, "num_threads": 1, "seed": 0, "study_name": "resume",
-                   "storage": f"sqlite:///{tmp_path}/s.db"},
-    }
-    path = tmp_path / "resume.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return resume_workload.write_config(tmp_path, "resume", {"eval_fn": "resume_workload:fidelity_eval",
+                                                             "kwargs": {"delay_s": 1.2}}, max_trials=MAX_TRIALS)
 
 
 def cli_env() -> dict[str, str]:

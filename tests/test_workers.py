@@ -12,9 +12,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-import yaml
 from optuna.trial import TrialState
 
+import resume_workload
 from autotune.plan import plan_key
 from autotune.study import evaluated_trials, trial_plan
 from test_resume_kill import cli_env
@@ -23,17 +23,9 @@ MAX_TRIALS = 12
 
 
 def write_config(tmp_path: Path, log: Path) -> Path:
-    config = {
-        "model": {"factory": "resume_workload:model"},
-        "evaluation": {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}},
-        "example_inputs": {"factory": "resume_workload:example_inputs"},
-        "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "max_trials": MAX_TRIALS,
-                   "patience": 100, "repeats": 3, "warmup": 1, "num_threads": 1, "seed": 0, "study_name": "workers",
-                   "storage": f"sqlite:///{tmp_path}/s.db"},
-    }
-    path = tmp_path / "workers.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return resume_workload.write_config(
+        tmp_path, "workers", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}},
+        max_trials=MAX_TRIALS, patience=100, repeats=3)
 
 
 @pytest.mark.parametrize("workers", [2, 4])

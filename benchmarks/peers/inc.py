@@ -41,8 +41,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from autotune.capture import as_call_inputs
+
 INSTALL_HINT = (
-    "Intel Neural Compressor is not importable in this environment. It lives in the benchmark venv:\n"
+    "Intel Neural Compressor is not importable in this environment. It lives in the benchmark venv "
+    "(`make bench-install` does these steps):\n"
     "  python3 -m venv .venv-bench\n"
     "  .venv-bench/bin/python -m pip install -c constraints.txt -r requirements.txt\n"
     "  .venv-bench/bin/python -m pip install -c constraints.txt --no-deps -r requirements-nodeps.txt\n"
@@ -62,19 +65,6 @@ def _import_inc():
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT}\n(import failed: {exc})") from exc
     return inc_q, inc_at
-
-
-def _as_args_kwargs(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if (isinstance(example_inputs, tuple) and len(example_inputs) == 2 and isinstance(example_inputs[0], tuple)
-            and isinstance(example_inputs[1], dict)):
-        return example_inputs
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise TypeError(f"example_inputs must be a tensor, tuple, dict or (args, kwargs); got {type(example_inputs)}")
 
 
 def _describe(config) -> str:
@@ -162,7 +152,7 @@ def run_inc(model: nn.Module, eval_fn: Callable[[nn.Module], float], example_inp
     started = time.perf_counter()
     try:
         work = copy.deepcopy(model).eval()
-        args, kwargs = _as_args_kwargs(example_inputs)
+        args, kwargs = as_call_inputs(example_inputs)
         runs: list[dict] = []
         budget = max_trials
 
