@@ -87,7 +87,7 @@ def test_a_trial_whose_eval_fn_gives_no_number_or_runs_too_long_fails_with_the_r
         return failure(net) if isinstance(net[1][0], DynamicInt8Linear) else score(net)
 
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
-                          max_trials=4, repeats=3, trial_timeout=1, storage=storage, study_name="bad-returns")
+                          max_trials=8, repeats=3, trial_timeout=1, storage=storage, study_name="bad-returns")
     started = time.monotonic()
     result = autotune(model, config, eval_fn, example_inputs=INPUTS)
 
