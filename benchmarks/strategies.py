@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 from torch import nn
 
 from autotune.config import TuningConfig

@@ -1,6 +1,5 @@
 """The ccexam MNISTNet on real MNIST digits: the workload the README's demo tunes."""
 import optuna
-import pytest
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
