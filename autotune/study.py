@@ -1,7 +1,8 @@
 """Glue to Optuna's storage: where studies live, what the tuner keeps on them, and reading trials back.
 
-Studies stay plain Optuna studies: params are module dtypes, the value is latency as a ratio of fp32 measured
-in the same trial, and every measurement is a trial user attribute, so `optuna.load_study` reads them as is.
+Studies stay plain Optuna studies: params are dtypes per unit (a module, or a group sharing one dtype), the
+value is latency as a ratio of fp32 measured in the same trial, and the per-module plan and every measurement
+are trial user attributes, so `optuna.load_study` reads them as is.
 """
 from __future__ import annotations
 
