@@ -56,13 +56,13 @@ def units_of(candidates: dict[str, list[str]], groups: list[list[str]]) -> dict[
                 raise ConfigError(f"groups.{index}: {name!r} is already in group {owner[name]}",
                                   [(f"groups.{index}", name)])
             owner[name] = index
+    in_order = {index: [name for name in candidates if owner.get(name) == index] for index in range(len(groups))}
     units: dict[str, list[str]] = {}
     for name in candidates:
         if name not in owner:
             units[name] = [name]
-        elif name == next(m for m in candidates if owner.get(m) == owner[name]):
-            members = [m for m in candidates if owner.get(m) == owner[name]]
-            units[unit_name(members)] = members
+        elif name == in_order[owner[name]][0]:   # a group stands where its first member does
+            units[unit_name(in_order[owner[name]])] = in_order[owner[name]]
     return units
 
 
@@ -119,30 +119,39 @@ class SearchSpace:
 
     def knapsack_plan(self, budget: float) -> Plan:
         """The fastest predicted plan whose summed noise is at most `budget` (multiple-choice knapsack)."""
+        def bins(noise: float) -> int:   # rounded up, so the plan's true noise stays within the budget
+            if noise == 0:
+                return 0
+            return math.ceil(noise / budget * KNAPSACK_BINS) if budget > 0 else KNAPSACK_BINS + 1
+
         units = list(self.choices)
-        capacity = np.zeros(KNAPSACK_BINS + 1)          # best predicted ms per capacity used so far
-        picks = np.zeros((len(units), KNAPSACK_BINS + 1), dtype=np.int16)
-        for row, unit in enumerate(units):
-            best = np.full(KNAPSACK_BINS + 1, np.inf)
-            for index, dtype in enumerate(self.choices[unit]):
-                noise = self.sensitivity[unit][dtype] ** 2
-                weight = 0 if noise == 0 else (math.ceil(noise / budget * KNAPSACK_BINS) if budget > 0
-                                               else KNAPSACK_BINS + 1)
-                if weight > KNAPSACK_BINS:
-                    continue
-                option = np.full(KNAPSACK_BINS + 1, np.inf)
-                option[weight:] = capacity[:KNAPSACK_BINS + 1 - weight] + self.latency_ms[unit][dtype]
-                better = option < best
-                best[better], picks[row][better] = option[better], index
-            capacity = best
-        plan, left = {}, KNAPSACK_BINS
-        for row in range(len(units) - 1, -1, -1):
-            unit = units[row]
-            dtype = self.choices[unit][picks[row][left]]
-            plan[unit] = dtype
-            noise = self.sensitivity[unit][dtype] ** 2
-            left -= 0 if noise == 0 else math.ceil(noise / budget * KNAPSACK_BINS)
-        return {unit: plan[unit] for unit in units}
+        picks = min_cost_choice([[self.latency_ms[u][d] for d in self.choices[u]] for u in units],
+                                [[bins(self.sensitivity[u][d] ** 2) for d in self.choices[u]] for u in units],
+                                KNAPSACK_BINS)
+        return {unit: self.choices[unit][pick] for unit, pick in zip(units, picks)}
+
+
+def min_cost_choice(costs: list[list[float]], weights: list[list[int]], capacity: int) -> list[int]:
+    """Multiple-choice knapsack by dynamic programming: per item, the index of the option to take so that the
+    summed cost is least and the summed integer weight at most `capacity`. Every item needs an option of
+    weight 0 (fp32), so some choice always fits; options heavier than `capacity` are never taken."""
+    best = np.zeros(capacity + 1)                # least cost of the items so far, per capacity used
+    picks = np.zeros((len(costs), capacity + 1), dtype=np.int32)
+    for row, (item_costs, item_weights) in enumerate(zip(costs, weights)):
+        new = np.full(capacity + 1, np.inf)
+        for index, (cost, weight) in enumerate(zip(item_costs, item_weights)):
+            if weight > capacity:
+                continue
+            option = np.full(capacity + 1, np.inf)
+            option[weight:] = best[:capacity + 1 - weight] + cost
+            better = option < new
+            new[better], picks[row][better] = option[better], index
+        best = new
+    chosen, left = [0] * len(costs), capacity
+    for row in range(len(costs) - 1, -1, -1):
+        chosen[row] = int(picks[row][left])
+        left -= weights[row][chosen[row]]
+    return chosen
 
 
 def exhaustive_order(space: SearchSpace) -> list[Plan]:

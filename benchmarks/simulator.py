@@ -31,6 +31,7 @@ from torch import nn
 
 from autotune.measure import LatencyStats
 from autotune.plan import plan_of as read_plan
+from autotune.search import min_cost_choice
 
 DTYPES = ("int8", "bf16", "fp32")
 WIDTH = 4
@@ -173,28 +174,11 @@ class OracleResult:
 
 
 def _mck(sim: SimWorkload, budget: float, bins: int, rounding) -> dict[str, str]:
-    """Multiple-choice knapsack: the plan of least total latency whose integerised loss fits `bins`."""
-    n = sim.n
-    best = np.zeros(bins + 1)
-    picks = np.zeros((n, bins + 1), dtype=np.int8)
+    """The plan of least total latency whose loss, integerised into `bins` steps of `budget`, fits."""
     weights = {d: rounding(sim.loss[d] / budget * bins).astype(np.int64) for d in DTYPES}
-    for i in range(n):
-        new = np.full(bins + 1, np.inf)
-        for k, d in enumerate(DTYPES):
-            w = int(weights[d][i])
-            if w > bins:
-                continue
-            option = np.full(bins + 1, np.inf)
-            option[w:] = best[:bins + 1 - w] + sim.cost_ms[i] * sim.ratio[d][i]
-            better = option < new
-            new[better], picks[i][better] = option[better], k
-        best = new
-    plan, left = {}, bins
-    for i in range(n - 1, -1, -1):
-        d = DTYPES[picks[i][left]]
-        plan[str(i)] = d
-        left -= int(weights[d][i])
-    return {str(i): plan[str(i)] for i in range(n)}
+    picks = min_cost_choice([[sim.cost_ms[i] * sim.ratio[d][i] for d in DTYPES] for i in range(sim.n)],
+                            [[int(weights[d][i]) for d in DTYPES] for i in range(sim.n)], bins)
+    return {str(i): DTYPES[pick] for i, pick in enumerate(picks)}
 
 
 def oracle(sim: SimWorkload, bins: int | None = None) -> OracleResult:
