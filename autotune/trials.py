@@ -50,10 +50,13 @@ class TrialFailed(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    passed: bool
     latency_ratio: float
     loss: float          # accuracy loss in the configured kind
     tolerable_loss: float
+
+    @property
+    def passed(self) -> bool:
+        return self.loss <= self.tolerable_loss
 
     @property
     def constraint(self) -> float:   # feasible when <= 0
@@ -132,8 +135,7 @@ class TrialRunner:
             raise TrialFailed(str(exc)) from exc
         timing = self.measurer.latency({"fp32": self.fp32, "plan": tuned}, self.inputs, self.config.repeats)
         loss = self.config.accuracy_loss(self.baseline, accuracy)
-        outcome = Outcome(loss <= self.config.tolerable_loss, timing["plan"].median_ms / timing["fp32"].median_ms,
-                          loss, self.config.tolerable_loss)
+        outcome = Outcome(timing["plan"].median_ms / timing["fp32"].median_ms, loss, self.config.tolerable_loss)
         if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)
         for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
@@ -183,7 +185,6 @@ class TrialRunner:
         finished, failed = studies.plan_results(self.study)
         for key, trial in finished.items():
             if key not in self.outcomes:
-                loss = trial.user_attrs["accuracy_loss"]
-                self.outcomes[key] = Outcome(loss <= self.config.tolerable_loss, trial.values[0], loss,
+                self.outcomes[key] = Outcome(trial.values[0], trial.user_attrs["accuracy_loss"],
                                              self.config.tolerable_loss)
         self.failed |= failed

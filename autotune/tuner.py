@@ -96,8 +96,8 @@ def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: fl
 def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, nn.Module, float, dict]:
     """Re-times the best passing plans interleaved with fp32 and re-evaluates the fastest; fp32 if none holds."""
     fp32_plan = runner.space.expand({unit: "fp32" for unit in runner.space.choices})
-    finalists = {f"trial {t.number}": studies.trial_plan(t) for t in studies.passing_trials(runner.study)[:3]
-                 if not is_baseline(studies.trial_plan(t))}
+    finalists = {f"trial {t.number}": plan for t in studies.passing_trials(runner.study)[:3]
+                 if not is_baseline(plan := studies.trial_plan(t))}
     models = {name: apply_plan(runner.fp32, plan, runner.calibration) for name, plan in finalists.items()}
     timing = runner.measurer.latency({"fp32": runner.fp32, **models}, runner.inputs, 2 * config.repeats)
     for name in sorted(models, key=lambda n: timing[n].median_ms):

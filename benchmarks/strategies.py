@@ -29,22 +29,31 @@ from autotune.plan import Plan, apply_plan, is_baseline, plan_key, plan_of
 
 
 
-class CountingEval:
+class Stopwatch:
+    """Adds up the seconds spent in the calls it makes."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def call(self, fn: Callable, *args, **kwargs) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+class CountingEval(Stopwatch):
     """eval_fn with a call counter, the plan key of each call's model and the time spent inside."""
 
     def __init__(self, eval_fn: Callable[[nn.Module], Any], names: list[str]):
+        super().__init__()
         self.eval_fn, self.names = eval_fn, names
         self.keys: list[str] = []
-        self.seconds = 0.0
 
     def __call__(self, model: nn.Module) -> Any:
-        key = plan_key(plan_of(model, self.names))
-        started = time.perf_counter()
-        try:
-            return self.eval_fn(model)
-        finally:
-            self.seconds += time.perf_counter() - started
-            self.keys.append(key)
+        self.keys.append(plan_key(plan_of(model, self.names)))
+        return self.call(self.eval_fn, model)
 
     @property
     def calls(self) -> int:
@@ -56,26 +65,18 @@ class CountingEval:
         return next((i + 1 for i, k in enumerate(self.keys) if k == key), 0)
 
 
-class TimedMeasurer:
+class TimedMeasurer(Stopwatch):
     """Wraps a Measurer; adds up the seconds spent in its two methods."""
 
     def __init__(self, inner):
+        super().__init__()
         self.inner = inner
-        self.seconds = 0.0
 
     def module_signals(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return self.inner.module_signals(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - started
+        return self.call(self.inner.module_signals, *args, **kwargs)
 
     def latency(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return self.inner.latency(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - started
+        return self.call(self.inner.latency, *args, **kwargs)
 
 
 @dataclass
@@ -90,24 +91,18 @@ class Found:
     extra: dict = field(default_factory=dict)
 
 
-class _Timer:
+class _Timer(Stopwatch):
     """Monkeypatches `owner.attr` with a timed wrapper for the duration of a `with` block."""
 
     def __init__(self, targets: list[tuple[Any, str]]):
-        self.targets, self.seconds, self.saved = targets, 0.0, []
+        super().__init__()
+        self.targets, self.saved = targets, []
 
     def __enter__(self):
         for owner, attr in self.targets:
             original = getattr(owner, attr)
             self.saved.append((owner, attr, original))
-
-            def timed(*args, _original=original, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - started
-            setattr(owner, attr, timed)
+            setattr(owner, attr, lambda *args, _original=original, **kwargs: self.call(_original, *args, **kwargs))
         return self
 
     def __exit__(self, *exc):
