@@ -76,7 +76,8 @@ class SearchSpace:
     @classmethod
     def build(cls, candidates: dict[str, list[str]], sensitivity: dict[str, dict[str, float]],
               latency_ms: dict[str, dict[str, float]], groups: list[list[str]] = ()) -> "SearchSpace":
-        """Per unit: the dtypes every member takes, minus those measured slower than fp32 or with inf error."""
+        """Per unit: the dtypes every member takes, minus those measured slower than fp32 or with inf error;
+        fastest first, fp32 ahead of a dtype that costs the same."""
         units = units_of(candidates, list(groups))
         choices, unit_error, unit_ms = {}, {}, {}
         for unit, names in units.items():
@@ -84,7 +85,8 @@ class SearchSpace:
             unit_ms[unit] = {d: sum(latency_ms[n][d] for n in names) for d in shared}
             # Errors of members lowered together add in variance.
             unit_error[unit] = {d: math.sqrt(sum(sensitivity[n][d] ** 2 for n in names)) for d in shared}
-            kept = [d for d in shared if d == "fp32" or (unit_ms[unit][d] < unit_ms[unit]["fp32"]
+            # A cost equal to fp32's marks a dtype kept by the whole-model check (sensitivity.confirm_in_context).
+            kept = [d for d in shared if d == "fp32" or (unit_ms[unit][d] <= unit_ms[unit]["fp32"]
                                                          and math.isfinite(unit_error[unit][d]))]
             choices[unit] = sorted(kept, key=lambda d: (unit_ms[unit][d], d))
         return cls(choices, units, unit_error, unit_ms)

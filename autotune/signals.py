@@ -17,7 +17,7 @@ from autotune import study as studies
 from autotune.backends import CallInputs
 from autotune.config import TuningConfig
 from autotune.measure import LatencyStats, measure_latency
-from autotune.sensitivity import module_latency, module_sensitivity
+from autotune.sensitivity import confirm_in_context, module_latency, module_sensitivity
 
 PerModule = dict[str, dict[str, float]]
 
@@ -37,9 +37,11 @@ class DeviceMeasurer:
 
     def module_signals(self, fp32, candidates, inputs, calibration):
         sensitivity = module_sensitivity(fp32, candidates, inputs, calibration)
-        latency = module_latency(fp32, candidates, calibration, repeats=self.config.repeats,
-                                 num_threads=self.config.num_threads, device=torch.device(self.config.device))
-        return sensitivity, latency
+        timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads,
+                      device=torch.device(self.config.device))
+        latency = module_latency(fp32, candidates, calibration, **timing)
+        return sensitivity, confirm_in_context(fp32, candidates, latency, inputs, calibration,
+                                               warmup=self.config.warmup, **timing)
 
     def latency(self, models, inputs, repeats):
         return measure_latency(models, inputs, warmup=self.config.warmup, repeats=repeats,

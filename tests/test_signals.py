@@ -1,0 +1,67 @@
+"""Device-aware pruning: a dtype timed slower than fp32 on a module alone is dropped, unless the whole model in
+that dtype runs faster than fp32 (then the uniform plan stays in the space)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autotune import sensitivity
+from autotune.measure import LatencyStats
+from autotune.search import SearchSpace
+
+CANDIDATES = {"0": ["int8", "fp32"], "2": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
+ALONE_MS = {"0": {"int8": 0.5, "fp32": 1.0},
+            "2": {"int8": 1.5, "fp32": 1.0},                # int8 slower alone: the verdict to check
+            "3": {"int8": 0.4, "bf16": 2.0, "fp32": 1.0}}   # bf16 slower on every module: nothing to check
+SENSITIVITY = {name: {d: (0.0 if d == "fp32" else 0.01) for d in dtypes} for name, dtypes in CANDIDATES.items()}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+
+
+def confirm(monkeypatch, whole_model_ms: dict[str, float]) -> tuple[dict, list[list[str]]]:
+    """Runs confirm_in_context with the whole-model timings given; returns its latency and what it timed."""
+    timed: list[list[str]] = []
+
+    def fake_measure(models, inputs, **kwargs):
+        timed.append(sorted(models))
+        return {key: LatencyStats(whole_model_ms[key], 0.0, 5) for key in models}
+
+    monkeypatch.setattr(sensitivity, "measure_latency", fake_measure)
+    net, inputs = model(), ((torch.randn(4, 8),), {})
+    calibration = {name: ((torch.randn(4, 8),), {}) for name in CANDIDATES}
+    latency = sensitivity.confirm_in_context(net, CANDIDATES, ALONE_MS, inputs, calibration, warmup=1, repeats=3,
+                                             num_threads=None, device=torch.device("cpu"))
+    return latency, timed
+
+
+def test_a_dtype_slower_alone_is_kept_when_the_whole_model_in_it_is_faster(monkeypatch):
+    latency, timed = confirm(monkeypatch, {"fp32": 10.0, "int8": 8.0})
+    assert timed == [["fp32", "int8"]]          # bf16 is slower everywhere: the whole model is not timed in it
+    assert latency["2"]["int8"] == ALONE_MS["2"]["fp32"]   # kept, with no saving predicted
+    assert latency["0"] == ALONE_MS["0"] and latency["3"] == ALONE_MS["3"]
+
+    space = SearchSpace.build(CANDIDATES, SENSITIVITY, latency)
+    assert space.choices["2"] == ["fp32", "int8"]
+    assert space.choices["3"] == ["int8", "fp32"]   # bf16 pruned
+    assert space.fastest_plan()["2"] == "fp32"
+    assert space.uniform_plans()[0] == {"0": "int8", "2": "int8", "3": "int8"}
+    assert space.knapsack_plan(1.0)["2"] == "fp32"  # int8 there adds noise and saves nothing predicted
+
+
+@pytest.mark.parametrize("uniform_ms", [10.0, 12.0])
+def test_a_dtype_slower_alone_is_pruned_when_the_whole_model_in_it_is_not_faster(monkeypatch, uniform_ms):
+    latency, _ = confirm(monkeypatch, {"fp32": 10.0, "int8": uniform_ms})
+    assert latency == ALONE_MS
+    assert SearchSpace.build(CANDIDATES, SENSITIVITY, latency).choices["2"] == ["fp32"]
+
+
+def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
+    agreeing = {"0": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
+    monkeypatch.setattr(sensitivity, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))
+    latency = sensitivity.confirm_in_context(model(), agreeing, ALONE_MS, ((torch.randn(4, 8),), {}), {},
+                                             warmup=1, repeats=3, num_threads=None, device=torch.device("cpu"))
+    assert latency is ALONE_MS
