@@ -24,6 +24,7 @@ from autotune.errors import AutotuneError, PlanError
 from autotune.file_config import FileConfig, load_config
 from autotune.plan import Plan, apply_plan, summarize, validate_plan
 from autotune.result import table
+from autotune.storage import open_storage, sqlite_path
 from autotune.tuner import finish, search, search_candidates, start_runner, study_name_for
 
 storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
@@ -58,7 +59,7 @@ def load_study(name: str, storage: str) -> optuna.Study:
 
 
 def missing_sqlite(url: str) -> bool:
-    path = studies.sqlite_path(url)
+    path = sqlite_path(url)
     return path is not None and not path.is_file()
 
 
@@ -66,7 +67,7 @@ def open_existing_storage(url: str):
     # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
     if missing_sqlite(url):
         raise CliError(f"no study storage at {url}")
-    return studies.open_storage(url)
+    return open_storage(url)
 
 
 def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int]:
@@ -74,7 +75,7 @@ def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str,
     name = study_name_for(model, config)
     if missing_sqlite(config.storage):
         return name, 0
-    storage = studies.open_storage(config.storage)
+    storage = open_storage(config.storage)
     if name not in optuna.get_all_study_names(storage):
         return name, 0
     return name, len(studies.evaluated_trials(optuna.load_study(study_name=name, storage=storage)))

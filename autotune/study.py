@@ -1,4 +1,4 @@
-"""Glue to Optuna's storage: where studies live, what the tuner keeps on them, and reading trials back.
+"""Glue to Optuna studies: opening one for a model and search space, what the tuner keeps on it, reading back.
 
 Studies stay plain Optuna studies: params are dtypes per unit (a module, or a group sharing one dtype), the
 value is latency as a ratio of fp32 measured in the same trial, and the per-module plan and every measurement
@@ -16,51 +16,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import optuna
-import sqlalchemy
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
+from autotune.storage import open_storage, sqlite_path
 
 ATTR_PREFIX = "autotune."
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The database file of an `sqlite:///` URL, None for other storages."""
-    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
-
-
-def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:
-    """An RDB storage whose running trials beat: a process killed mid-trial stops beating, and after the grace
-    period the next run (or another worker) marks its trial FAILED and the retry callback queues the plan again.
-
-    SQLite runs in WAL mode with synchronous=NORMAL and waits up to a minute for a lock instead of failing with
-    "database is locked": several workers on one machine share one file safely, readers never block the writer,
-    and a commit costs no fsync (Optuna commits every param and attribute). A killed process loses nothing
-    committed; only an OS crash or power cut can lose the last commits, never corrupt the file.
-    """
-    path = sqlite_path(url)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                             grace_period=grace_period,
-                             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
-    if url.startswith("sqlite"):
-        sqlalchemy.event.listen(storage.engine, "connect", _sqlite_wal)
-        storage.engine.dispose()   # connections opened while creating the schema lack the pragmas
-    return storage
-
-
-def _sqlite_wal(connection, _record) -> None:
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
