@@ -54,7 +54,7 @@ def _table(header: list[str], rows: list[list[object]]) -> str:
 
 
 def html_report(study: optuna.Study) -> str:
-    trials = list(studies.plan_results(study)[0].values())
+    trials = list(studies.view_trials(study).finished.values())
     baseline = studies.get_attr(study, "baseline_accuracy")
     best = studies.get_attr(study, "best")
     latency = studies.get_attr(study, "module_latency_ms") or {}

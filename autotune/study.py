@@ -12,6 +12,7 @@ import json
 import tempfile
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -90,42 +91,50 @@ def trial_plan(trial: FrozenTrial) -> Plan:
     return {name: str(dtype) for name, dtype in trial.params.items()}
 
 
+def _evaluated(trial: FrozenTrial) -> bool:
+    """Whether a finished trial's eval_fn call ended (complete, or failed with a reason); duplicates are not.
+    A trial failed by the heartbeat check (its process died mid-trial) has no fail_reason and does not count."""
+    return (trial.state.is_finished() and bool(trial.user_attrs.get("evaluated"))
+            and (trial.state == TrialState.COMPLETE or "fail_reason" in trial.user_attrs))
+
+
 def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """Trials whose eval_fn call ended (complete, or failed with a reason), duplicates excluded.
-
-    A trial failed by the heartbeat check (its process died mid-trial) has no fail_reason and does not count.
-    """
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-            if t.user_attrs.get("evaluated") and (t.state == TrialState.COMPLETE or "fail_reason" in t.user_attrs)]
+            if _evaluated(t)]
 
 
-def plan_results(study: optuna.Study) -> tuple[dict[str, FrozenTrial], set[str]]:
-    """In one read of the storage: the first completed, evaluated trial of each plan (what a resumed search
-    reuses instead of evaluating again), and the plans whose eval_fn call failed (raised, timed out, returned
-    no number), which are not evaluated again either."""
+@dataclass(frozen=True)
+class TrialsView:
+    """What the search needs to know of a study's trials, from one read of the storage (one consistent state,
+    so a claim's holder shows either as running or as finished, never as neither)."""
+    finished: dict[str, FrozenTrial]  # plan key -> its first completed, evaluated trial: reused, not evaluated again
+    failed: set[str]                  # plans whose eval_fn call failed (raised, timed out, no number): not again
+    claims: dict[str, int]            # plan key -> number of the running trial that claimed it (TrialRunner._claim)
+    waiting: int                      # queued trials
+    evaluated: int                    # trials whose eval_fn call ended
+
+
+def view_trials(study: optuna.Study) -> TrialsView:
     finished: dict[str, FrozenTrial] = {}
     failed: set[str] = set()
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-        if not trial.user_attrs.get("evaluated"):
-            continue
-        if trial.state == TrialState.COMPLETE:
-            finished.setdefault(plan_key(trial_plan(trial)), trial)
-        elif "fail_reason" in trial.user_attrs:
-            failed.add(plan_key(trial_plan(trial)))
-    return finished, failed
-
-
-def running_claims(study: optuna.Study) -> dict[str, int]:
-    """{plan key: trial number} of the plans running trials have claimed (see TrialRunner.objective)."""
-    return {t.user_attrs["plan_key"]: t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if "plan_key" in t.user_attrs}
-
-
-def waiting_trials(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    claims: dict[str, int] = {}
+    waiting = evaluated = 0
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.WAITING:
+            waiting += 1
+        elif trial.state == TrialState.RUNNING:
+            if "plan_key" in trial.user_attrs:
+                claims[trial.user_attrs["plan_key"]] = trial.number
+        elif _evaluated(trial):
+            evaluated += 1
+            if trial.state == TrialState.COMPLETE:
+                finished.setdefault(plan_key(trial_plan(trial)), trial)
+            else:
+                failed.add(plan_key(trial_plan(trial)))
+    return TrialsView(finished, failed, claims, waiting, evaluated)
 
 
 def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Completed trials that met the accuracy requirement, fastest first."""
-    return sorted((t for t in plan_results(study)[0].values() if t.user_attrs.get("passed")),
+    return sorted((t for t in view_trials(study).finished.values() if t.user_attrs.get("passed")),
                   key=lambda t: t.values[0])

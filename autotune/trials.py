@@ -91,13 +91,10 @@ class TrialRunner:
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
         while True:
             with studies.plan_lock(self.config.storage, self.study.study_name):
-                # Claims first, results second: a holder that finishes between the two reads shows up as
-                # finished; read the other way round, it would show as neither and be evaluated again.
-                claims = studies.running_claims(self.study)
-                self.refresh()
+                view = self.refresh()
                 if key in self.outcomes or key in self.failed:
                     return
-                holder = claims.get(key, trial.number)
+                holder = view.claims.get(key, trial.number)
                 if holder == trial.number:
                     trial.set_user_attr("plan_key", key)
                     return
@@ -161,30 +158,34 @@ class TrialRunner:
         key = plan_key(self.space.expand(unit_plan))
         queued = False
         while True:
-            self.refresh()
+            view = self.refresh()
             if key in self.outcomes or key in self.failed:
                 return self.outcomes.get(key)
             if not queued:
                 self.study.enqueue_trial(unit_plan, user_attrs={"source": source})
                 queued = True
-            if studies.waiting_trials(self.study):
+                continue   # read again: another worker may take the queued trial before we do
+            if view.waiting:
                 self.run_once()
                 continue
             # Our plan's trial is running elsewhere, or died: wait, then queue it again if nobody holds it.
             time.sleep(CLAIM_POLL_S)
             fail_stale_trials(self.study)
-            queued = key in studies.running_claims(self.study)
+            queued = key in self.refresh().claims
 
     def run_queued(self) -> None:
         """Runs the plans still queued (re-queued after a crash, or left by a stopped worker)."""
-        while studies.waiting_trials(self.study):
+        while self.refresh().waiting:
             self.run_once()
 
-    def refresh(self) -> None:
-        """Adds plans finished elsewhere (another worker or an earlier run) to what this runner knows."""
-        finished, failed = studies.plan_results(self.study)
-        for key, trial in finished.items():
+    def refresh(self) -> studies.TrialsView:
+        """Adds plans finished elsewhere (another worker or an earlier run) to what this runner knows; returns
+        the study's trials as read (`evaluated` counts all processes' evaluations: the shared budget)."""
+        view = studies.view_trials(self.study)
+        for key, trial in view.finished.items():
             if key not in self.outcomes:
                 self.outcomes[key] = Outcome(trial.values[0], trial.user_attrs["accuracy_loss"],
                                              self.config.tolerable_loss)
-        self.failed |= failed
+        self.failed |= view.failed
+        self.evaluated = view.evaluated
+        return view

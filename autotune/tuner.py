@@ -51,8 +51,8 @@ def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> lis
 
 
 def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
-    def budget_left() -> bool:
-        return len(studies.evaluated_trials(runner.study)) < config.max_trials and time.monotonic() < deadline
+    def budget_left() -> bool:   # runner.evaluated: all workers' evaluations as of the runner's last read
+        return runner.evaluated < config.max_trials and time.monotonic() < deadline
 
     search = guided_search(runner.space)
     try:
@@ -79,13 +79,16 @@ def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: fl
             if not budget_left() or stale >= config.patience:
                 return
             key = plan_key(runner.space.expand(plan))
+            if key in runner.outcomes:
+                continue
             # A plan another worker is running is theirs: move on rather than wait for it.
-            if key not in runner.outcomes and key not in studies.running_claims(runner.study):
+            if key not in runner.refresh().claims:
                 runner.run_plan(plan, "exhaustive")
                 note_progress()
         return
     while budget_left() and stale < config.patience and duplicates < 3 * config.patience:
         runner.run_once()
+        runner.refresh()
         if runner.last_was_duplicate:
             duplicates += 1
             continue

