@@ -4,8 +4,8 @@ Units: a unit is one module, or a group of modules that must share a dtype; the 
 and `SearchSpace.expand` turns that into a per-module plan.
 
 Guided phase, O(log N) evaluations:
-1. uniform seeds: every unit in one dtype (where allowed), fastest predicted first; if the fastest passes,
-   nothing can beat it;
+1. seeds: the fastest predicted plan, then the uniform plans (every unit in one dtype where allowed) not
+   predicted slower than a passing one; if the fastest passes, the search ends there;
 2. knapsack bisection: for a budget B of predicted output noise, the knapsack plan is the fastest plan (by the
    per-unit timings) whose summed noise stays within B. Bisecting B on a log scale between the baseline (passes)
    and the fastest plan (fails) finds the passing boundary; plans repeat between budgets, so each distinct plan
@@ -188,10 +188,12 @@ def knapsack_bisection(space: SearchSpace, failing_budget: float) -> GuidedSearc
 
 def guided_search(space: SearchSpace) -> GuidedSearch:
     fastest = space.fastest_plan()
-    if is_baseline(fastest) or (yield fastest):
-        return
-    best_passing_ms = math.inf
+    fastest_passed = is_baseline(fastest) or (yield fastest)
+    best_passing_ms = space.predicted_ms(fastest) if fastest_passed else math.inf
+    # A uniform plan predicted no slower than the fastest (a dtype kept by the whole-model check costs what
+    # fp32 does) is still tried: predictions come from modules timed alone, the trial times the whole model.
     for plan in space.uniform_plans():
-        if plan != fastest and space.predicted_ms(plan) < best_passing_ms and (yield plan):
-            best_passing_ms = space.predicted_ms(plan)
-    yield from knapsack_bisection(space, space.predicted_noise(fastest))
+        if plan != fastest and space.predicted_ms(plan) <= best_passing_ms and (yield plan):
+            best_passing_ms = min(best_passing_ms, space.predicted_ms(plan))
+    if not fastest_passed:
+        yield from knapsack_bisection(space, space.predicted_noise(fastest))

@@ -97,9 +97,16 @@ def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: fl
 
 
 def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, nn.Module, float, dict]:
-    """Re-times the best passing plans interleaved with fp32 and re-evaluates the fastest; fp32 if none holds."""
+    """Re-times the best passing plans interleaved with fp32 and re-evaluates the fastest; fp32 if none holds.
+
+    The finalists are the three fastest passing trials and the fastest passing uniform plan, so the winner is
+    never slower than the best uniform dtype in that timing (trial timings on a noisy host can rank them wrong).
+    """
     fp32_plan = runner.space.expand({unit: "fp32" for unit in runner.space.choices})
-    finalists = {f"trial {t.number}": plan for t in studies.passing_trials(runner.study)[:3]
+    passing = studies.passing_trials(runner.study)
+    uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
+    best_uniform = [t for t in passing if plan_key(studies.trial_plan(t)) in uniform][:1]
+    finalists = {f"trial {t.number}": plan for t in passing[:3] + best_uniform
                  if not is_baseline(plan := studies.trial_plan(t))}
     models = {name: apply_plan(runner.fp32, plan, runner.calibration) for name, plan in finalists.items()}
     timing = runner.measurer.latency({"fp32": runner.fp32, **models}, runner.inputs, 2 * config.repeats)

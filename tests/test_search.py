@@ -98,6 +98,16 @@ def test_guided_search_stops_at_once_when_the_fastest_plan_passes():
     assert len(run_guided(space(50), lambda plan: True)) == 1
 
 
+def test_a_uniform_plan_predicted_no_slower_is_tried_even_when_the_fastest_passes():
+    candidates = {f"m{i}": ["int8", "fp32"] for i in range(3)}
+    # m2's int8 was kept by the whole-model check: it costs what fp32 does, so the fastest plan leaves m2 fp32.
+    latency = {"m0": {"fp32": 1.0, "int8": 0.5}, "m1": {"fp32": 1.0, "int8": 0.5}, "m2": {"fp32": 1.0, "int8": 1.0}}
+    sensitivity = {name: {"fp32": 0.0, "int8": 0.01} for name in candidates}
+    s = SearchSpace.build(candidates, sensitivity, latency)
+    tried = run_guided(s, lambda plan: True)
+    assert tried == [{"m0": "int8", "m1": "int8", "m2": "fp32"}, {"m0": "int8", "m1": "int8", "m2": "int8"}]
+
+
 def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
     from autotune.plan import plan_key
     from autotune.search import exhaustive_order
