@@ -29,6 +29,11 @@ def summarize(plan: Plan) -> str:
     return " ".join(f"{dtype}×{counts[dtype]}" for dtype in ("int8", "bf16", "fp16", "fp32") if counts[dtype])
 
 
+def uniform_plan(candidates: dict[str, list[str]], dtype: str) -> Plan:
+    """Every module (or unit) whose options include `dtype` in it, the rest fp32."""
+    return {name: dtype if dtype in options else "fp32" for name, options in candidates.items()}
+
+
 def validate_plan(plan: Plan, candidates: dict[str, list[str]]) -> None:
     unknown = sorted(set(plan) - set(candidates))
     if unknown:

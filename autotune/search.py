@@ -24,7 +24,7 @@ from typing import Generator, Iterator
 import numpy as np
 
 from autotune.errors import ConfigError
-from autotune.plan import Plan, is_baseline, plan_key
+from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
 
 # A generator of unit plans; each `yield` receives back whether that plan met the accuracy requirement.
 GuidedSearch = Generator[Plan, bool, None]
@@ -116,7 +116,7 @@ class SearchSpace:
     def uniform_plans(self) -> list[Plan]:
         """For each lowered dtype, every unit that allows it in it (the rest fp32); fastest predicted first."""
         dtypes = {d for options in self.choices.values() for d in options if d != "fp32"}
-        plans = [{unit: d if d in options else "fp32" for unit, options in self.choices.items()} for d in dtypes]
+        plans = [uniform_plan(self.choices, d) for d in dtypes]
         return sorted(plans, key=lambda plan: (self.predicted_ms(plan), sorted(plan.values())))
 
     def knapsack_plan(self, budget: float) -> Plan:

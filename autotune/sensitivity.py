@@ -14,7 +14,7 @@ from torch import nn
 from autotune.backends import CallInputs
 from autotune.capture import call
 from autotune.measure import measure_latency
-from autotune.plan import apply_plan, lower_module, replace_module
+from autotune.plan import apply_plan, lower_module, replace_module, uniform_plan
 from autotune.tree import float_tensors
 
 
@@ -64,7 +64,6 @@ def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibrati
     return timings
 
 
-
 def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]],
                        inputs: CallInputs, calibration: dict[str, CallInputs], *, warmup: int, repeats: int,
                        num_threads: int | None, device: torch.device) -> dict[str, dict[str, float]]:
@@ -79,7 +78,7 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
     mixed = sorted(d for d, names in slower.items() if 0 < len(names) < sum(d in ds for ds in candidates.values()))
     if not mixed:
         return latency
-    uniform = {d: apply_plan(model, {n: d for n, ds in candidates.items() if d in ds}, calibration) for d in mixed}
+    uniform = {d: apply_plan(model, uniform_plan(candidates, d), calibration) for d in mixed}
     timing = measure_latency({"fp32": model, **uniform}, inputs, warmup=warmup, repeats=repeats,
                              num_threads=num_threads, device=device)
     confirmed = {n: dict(costs) for n, costs in latency.items()}

@@ -25,7 +25,7 @@ import numpy as np
 from torch import nn
 
 from autotune.config import TuningConfig
-from autotune.plan import Plan, apply_plan, is_baseline, plan_key, plan_of
+from autotune.plan import Plan, apply_plan, is_baseline, plan_key, plan_of, uniform_plan
 
 
 
@@ -169,7 +169,7 @@ def best_uniform(fp32: nn.Module, candidates: dict[str, list[str]], eval_fn: Cal
     dtypes = [d for d in ("int8", "bf16", "fp16") if any(d in options for options in candidates.values())]
     passing, tried = {}, {}
     for dtype in dtypes:
-        plan = {name: dtype if dtype in options else "fp32" for name, options in candidates.items()}
+        plan = uniform_plan(candidates, dtype)
         accuracy, model = _evaluate(fp32, plan, counted, calibration)
         tried[dtype] = accuracy
         if config.passes(baseline, accuracy):
