@@ -1,7 +1,6 @@
 """A plan maps each tunable module name to a dtype; applying it builds a new model and leaves the original alone."""
 from __future__ import annotations
 
-import copy
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -9,6 +8,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from autotune.backends import CallInputs, dtype_of, get_backend
+from autotune.clone import clone
 from autotune.errors import PlanError
 
 Plan = dict[str, str]
@@ -55,23 +55,33 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 
 
 def lower_module(module: nn.Module, dtype: str, calibration: CallInputs | None) -> nn.Module:
-    """A private copy of `module` in `dtype`."""
-    return get_backend(dtype).apply(copy.deepcopy(module), calibration)
+    """A new module: `module` in `dtype` (backends leave the module they are given as it was)."""
+    return get_backend(dtype).apply(module, calibration)
 
 
-def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] | None = None) -> nn.Module:
-    """A deep copy of `model` with each module of `plan` in its dtype. `calibration` feeds static int8."""
-    tuned = copy.deepcopy(model).eval()
+def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] | None = None,
+               variants: dict[tuple[str, str], nn.Module] | None = None) -> nn.Module:
+    """A copy of `model` with each module of `plan` in its dtype. `calibration` feeds static int8.
+
+    The lowered modules are handed to the copy as the copies of the modules they replace, so the fp32 weights of
+    those modules are never copied. `variants`, kept across calls, holds each (module, dtype) lowered once; a
+    plan gets deep copies of them (int8 copies share their packed weights, which nothing changes in place).
+    """
+    lowered: dict[int, nn.Module] = {}
     for name, dtype in plan.items():
         if dtype == "fp32":
             continue
         try:
-            original = tuned.get_submodule(name)
+            original = model.get_submodule(name)
         except AttributeError:
             raise PlanError(f"plan names module {name!r}, which {type(model).__name__} does not have") from None
-        new = get_backend(dtype).apply(original, (calibration or {}).get(name))
-        tuned = replace_module(tuned, name, new)
-    return tuned
+        if variants is None:
+            lowered[id(original)] = lower_module(original, dtype, (calibration or {}).get(name))
+            continue
+        if (name, dtype) not in variants:
+            variants[name, dtype] = lower_module(original, dtype, (calibration or {}).get(name))
+        lowered[id(original)] = clone(variants[name, dtype])
+    return clone(model, memo=lowered).eval()
 
 
 def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:

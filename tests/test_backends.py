@@ -70,3 +70,26 @@ def test_half_backends_on_cuda(dtype):
     lowered = get_backend(dtype).apply(copy.deepcopy(linear), None)
     with torch.inference_mode():
         assert relative_error(lowered(x), linear(x)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_each_backend_leaves_the_module_it_lowers_as_it_was(dtype):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Conv2d(2, 2, 3)), torch.randn(1, 2, 6, 6)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    backend = get_backend(dtype)
+    lowered = [backend.apply(model[0], None), backend.apply(model[1], ((x,), {}))]
+    assert all(new is not old for new, old in zip(lowered, model))
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
+    ours = {t.data_ptr() for t in model.state_dict().values()}
+    assert not ours & {t.data_ptr() for module in lowered for t in module.state_dict().values()}
+
+
+def test_copies_of_an_int8_module_share_packed_weights_but_not_hooks():
+    lowered, x = get_backend("int8").apply(nn.Linear(16, 8), None), torch.randn(2, 16)
+    copied = copy.deepcopy(lowered)
+    copied.register_forward_hook(lambda module, args, out: out * 0)
+    assert copied._packed is lowered._packed and weight_bytes(copied) == weight_bytes(lowered)
+    with torch.inference_mode():
+        assert copied(x).abs().sum() == 0 and lowered(x).abs().sum() > 0

@@ -38,3 +38,20 @@ def test_validate_plan_reports_unknown_modules_and_disallowed_dtypes():
 def test_plan_key_ignores_order_and_summary_counts_dtypes():
     assert plan_key({"a": "int8", "b": "fp32"}) == plan_key({"b": "fp32", "a": "int8"})
     assert summarize({"a": "int8", "b": "fp32", "c": "int8"}) == "int8×2 fp32×1"
+
+
+def test_models_built_from_kept_variants_match_fresh_ones_and_share_no_module():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)), torch.randn(3, 8)
+    before = state_snapshot(model)
+    plan = {"0": "int8", "1": "bf16", "2": "fp32"}
+    variants = {}
+    first, second = apply_plan(model, plan, variants=variants), apply_plan(model, plan, variants=variants)
+    assert set(variants) == {("0", "int8"), ("1", "bf16")}
+    first[1].register_forward_hook(lambda module, args, out: out * 0)      # what an eval_fn might leave behind
+    first[1].inner.weight.data.zero_()
+    with torch.inference_mode():
+        assert torch.equal(second(x), apply_plan(model, plan)(x))
+    assert all(a is not b for a, b in zip(first, second))
+    assert first[0]._packed is second[0]._packed                            # immutable packed int8 weights
+    assert_state_equal(model, before)

@@ -17,4 +17,4 @@ class DtypeBackend(Protocol):
         """Whether this backend can run `module` on `device` at all (speed is measured, not assumed)."""
 
     def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        """Returns the module to use in place of `module` (which is already a private copy)."""
+        """A new module to use in place of `module`, sharing no weights with it; `module` is left as it was."""

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.clone import clone
 from autotune.tree import float_tensors, map_tensors
 
 
@@ -44,7 +45,7 @@ class Fp32Backend:
         return True
 
     def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return module
+        return clone(module)
 
 
 class HalfBackend:
@@ -62,4 +63,4 @@ class HalfBackend:
         return True
 
     def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return CastWrapper(module, self.dtype)
+        return CastWrapper(clone(module), self.dtype)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.clone import copy_module_state
 
 _ACT_QMAX = 127  # reduce_range: see module docstring
 
@@ -38,44 +39,59 @@ def _affine_qparams(tensor: torch.Tensor) -> tuple[float, int]:
 
 
 def _qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Bytes of int8 weights, their per-channel scales and zero points, and the bias."""
     per_channel = qweight.q_per_channel_scales().numel() * 16 if qweight.qscheme() != torch.per_tensor_affine else 16
     return qweight.numel() + per_channel + (bias.numel() * bias.element_size() if bias is not None else 0)
 
 
-class DynamicInt8Linear(nn.Module):
+class _PackedInt8(nn.Module):
+    """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them."""
+
+    _packed: torch.ScriptObject
+    _nbytes: int
+
+    def __deepcopy__(self, memo: dict) -> "_PackedInt8":
+        memo[id(self._packed)] = self._packed
+        return copy_module_state(self, memo)
+
+    def weight_nbytes(self) -> int:
+        return self._nbytes
+
+
+class DynamicInt8Linear(_PackedInt8):
     """Linear with int8 weights; activations quantised per batch at run time (no calibration needed)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self._packed = torch.ops.quantized.linear_prepack(_per_channel_qweight(linear.weight), bias)
+        qweight = _per_channel_qweight(linear.weight)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self._nbytes = _qint8_nbytes(qweight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.quantized.linear_dynamic(x.float(), self._packed, True)
         return out.to(x.dtype)
 
-    def weight_nbytes(self) -> int:
-        return _qint8_nbytes(*torch.ops.quantized.linear_unpack(self._packed))
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 dynamic (fbgemm)"
 
 
-class StaticInt8Conv2d(nn.Module):
+class StaticInt8Conv2d(_PackedInt8):
     """Conv2d with int8 weights and int8 activations whose ranges were calibrated on real inputs."""
 
     def __init__(self, conv: nn.Conv2d, calibration: CallInputs):
         super().__init__()
         x = calibration[0][0].detach().float()
         with torch.no_grad():
-            y = conv.float()(x)
+            y = conv(x.to(conv.weight.dtype)).float()
         self.in_scale, self.in_zero_point = _affine_qparams(x)
         self.out_scale, self.out_zero_point = _affine_qparams(y)
         bias = None if conv.bias is None else conv.bias.detach().float()
+        qweight = _per_channel_qweight(conv.weight)
         self._packed = torch.ops.quantized.conv2d_prepack(
-            _per_channel_qweight(conv.weight), bias, list(conv.stride), list(conv.padding),
-            list(conv.dilation), conv.groups)
+            qweight, bias, list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
+        self._nbytes = _qint8_nbytes(qweight, bias)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,9 +100,6 @@ class StaticInt8Conv2d(nn.Module):
                                       self.in_scale, self.in_zero_point, torch.quint8)
         out = torch.ops.quantized.conv2d(q, self._packed, self.out_scale, self.out_zero_point).dequantize()
         return (out.squeeze(0) if unbatched else out).to(x.dtype)
-
-    def weight_nbytes(self) -> int:
-        return _qint8_nbytes(*self._packed.unpack())
 
     def extra_repr(self) -> str:
         return f"{self.summary}, int8 static (fbgemm)"
