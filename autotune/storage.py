@@ -1,55 +1,87 @@
-"""Optuna's RDB storage as the tuner opens it: heartbeats, SQLite tuned for several local workers, and a trial's
-params written in one transaction.
+"""Optuna's RDB storage as the tuner opens it: heartbeats, SQLite tuned for several local workers, a trial's
+writes batched into one transaction, and trials read back without an ORM object per param.
 
-Optuna commits every suggested param on its own, 1-2 ms each on SQLite. The tuner suggests one param per unit,
-so at 500 modules that was about a second of commits per trial, more than a cheap eval_fn. `ParamBatchingStorage`
-holds a running trial's params until anything next writes or reads trials, then inserts them in one transaction
-after Optuna's checks (made once per trial); Optuna's cache in front of it answers the running trial's params
-meanwhile. It uses Optuna's RDB models, so optuna stays pinned (requirements.txt).
+Optuna commits every suggested param and every attribute on its own, 1-3 ms each on SQLite, and reads a trial's
+params back as ORM objects whose distributions it parses twice. The tuner suggests one param per unit and reads
+its running trial several times per trial, so at 500 modules that was most of a second per trial, more than a
+cheap eval_fn. `WriteBatchingStorage` holds a running trial's params and user attributes until anything next
+writes trial state or reads trials (or `flush` is called: the tuner's plan lock does as it is released), then
+writes them in one transaction after Optuna's checks, made once per trial: an incompatible distribution is
+refused there. It reads params as plain rows, parsing each distinct distribution once. Optuna's cache in front
+of it answers the running trial's params meanwhile. It uses Optuna's RDB models, so optuna stays pinned
+(requirements.txt); tests/test_storage.py checks that plain Optuna reads back what it wrote, and that it reads
+what Optuna reads.
 """
 from __future__ import annotations
 
+import functools
+import json
 import threading
 import warnings
 from pathlib import Path
+from collections.abc import Container
 from typing import Any
 
 import optuna
 import sqlalchemy
+import sqlalchemy.dialects.postgresql
+import sqlalchemy.dialects.sqlite
 from optuna.distributions import (BaseDistribution, check_distribution_compatibility, distribution_to_json,
                                   json_to_distribution)
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._rdb import models
 from optuna.storages._rdb.storage import _create_scoped_session
+from optuna.trial import FrozenTrial, TrialState
 
 
-class ParamBatchingStorage(RDBStorage):
+class WriteBatchingStorage(RDBStorage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._pending: list[tuple[int, str, float, BaseDistribution, BaseDistribution | None]] = []
+        self._pending_params: list[tuple[int, str, float, BaseDistribution, BaseDistribution | None]] = []
+        self._pending_attrs: dict[tuple[int, str], Any] = {}
         self._pending_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def _set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
                          distribution: BaseDistribution, previous_distribution: BaseDistribution | None) -> None:
         with self._pending_lock:
-            self._pending.append((trial_id, param_name, param_value_internal, distribution, previous_distribution))
+            self._pending_params.append((trial_id, param_name, param_value_internal, distribution,
+                                         previous_distribution))
 
-    def flush_params(self) -> None:
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
         with self._pending_lock:
-            pending, self._pending = self._pending, []
-            by_trial: dict[int, list] = {}
-            for trial_id, *param in pending:
-                by_trial.setdefault(trial_id, []).append(param)
+            self._pending_attrs[trial_id, key] = value
+
+    def flush(self) -> None:
+        """Writes the pending params and user attributes, all in one transaction."""
+        with self._pending_lock:
+            params, self._pending_params = self._pending_params, []
+            attrs, self._pending_attrs = self._pending_attrs, {}
+            by_trial: dict[int, tuple[list, dict]] = {}
+            for trial_id, *param in params:
+                by_trial.setdefault(trial_id, ([], {}))[0].append(param)
+            for (trial_id, key), value in attrs.items():
+                by_trial.setdefault(trial_id, ([], {}))[1][key] = value
             if by_trial:
                 with _create_scoped_session(self.scoped_session, True) as session:
-                    for trial_id, params in by_trial.items():
-                        self._insert_params(session, trial_id, params)
+                    for trial_id, (trial_params, trial_attrs) in by_trial.items():
+                        self._write_trial(session, trial_id, trial_params, trial_attrs)
 
-    def _insert_params(self, session: sqlalchemy.orm.Session, trial_id: int, params: list) -> None:
-        """The checks of Optuna's `_set_trial_param_without_commit`, made once per trial instead of per param:
-        the trial is still running, and each param's distribution is compatible with the study's."""
+    def _write_trial(self, session: sqlalchemy.orm.Session, trial_id: int, params: list, attrs: dict) -> None:
+        """The checks of Optuna's `_set_trial_param_without_commit`, made once per trial instead of per param
+        (the trial is still running; each param's distribution is compatible with the study's), then one
+        executemany for the params and one upsert for the attributes."""
         trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
         self.check_trial_is_updatable(trial_id, trial.state)
+        if params:
+            session.execute(sqlalchemy.insert(models.TrialParamModel), self._param_rows(session, trial, params))
+        if attrs:
+            rows = [{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in attrs.items()]
+            upsert = _UPSERTS[self.engine.name](models.TrialUserAttributeModel)
+            session.execute(upsert.on_conflict_do_update(index_elements=["trial_id", "key"],
+                                                         set_={"value_json": upsert.excluded.value_json}), rows)
+
+    @staticmethod
+    def _param_rows(session: sqlalchemy.orm.Session, trial: models.TrialModel, params: list) -> list[dict]:
         unknown = [name for name, _, _, previous in params if previous is None]
         stored = dict(session.query(models.TrialParamModel.param_name,
                                     sqlalchemy.func.min(models.TrialParamModel.distribution_json))
@@ -59,15 +91,68 @@ class ParamBatchingStorage(RDBStorage):
         rows = []
         for name, value, distribution, previous in params:
             if previous is None and name in stored:
-                previous = json_to_distribution(stored[name])
+                previous = _distribution(stored[name])
             if previous is not None:
                 check_distribution_compatibility(previous, distribution)
-            rows.append({"trial_id": trial_id, "param_name": name, "param_value": value,
+            rows.append({"trial_id": trial.trial_id, "param_name": name, "param_value": value,
                          "distribution_json": distribution_to_json(distribution)})
-        session.execute(sqlalchemy.insert(models.TrialParamModel), rows)   # one executemany, no ORM objects
+        return rows
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        """Optuna's, with the params read as plain rows: building 500 ORM objects per read of a running trial
+        cost more than the rest of the read."""
+        with _create_scoped_session(self.scoped_session) as session:
+            trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
+            params = session.execute(sqlalchemy.select(*_PARAM_COLUMNS).where(models.TrialParamModel.trial_id == trial_id)
+                                     .order_by(models.TrialParamModel.param_id)).all()
+            return self._frozen_trial(trial, params)
+
+    def _get_trials(self, study_id: int, states: Container[TrialState] | None, included_trial_ids: set[int],
+                    trial_id_greater_than: int) -> list[FrozenTrial]:
+        """Optuna's read of a study's trials (those in `states`; with `trial_id_greater_than` > -1, only those
+        newer than it or among `included_trial_ids`), with the params read as plain rows, as in `get_trial`."""
+        included = [trial_id for trial_id in included_trial_ids if trial_id <= trial_id_greater_than]
+        where = [models.TrialModel.study_id == study_id]
+        if states is not None:
+            where.append(models.TrialModel.state.in_(list(states)))
+        if trial_id_greater_than > -1:
+            newer = models.TrialModel.trial_id > trial_id_greater_than
+            where.append(sqlalchemy.or_(models.TrialModel.trial_id.in_(included), newer) if included else newer)
+        with _create_scoped_session(self.scoped_session) as session:
+            models.StudyModel.find_or_raise_by_id(study_id, session)
+            trials = (session.query(models.TrialModel)
+                      .options(*(sqlalchemy.orm.selectinload(getattr(models.TrialModel, name)) for name in _TRIAL_RELATIONS))
+                      .filter(*where).order_by(models.TrialModel.trial_id).all())
+            params: dict[int, list] = {}
+            if trials:
+                for trial_id, *row in session.execute(
+                        sqlalchemy.select(models.TrialParamModel.trial_id, *_PARAM_COLUMNS)
+                        .join(models.TrialModel).where(*where).order_by(models.TrialParamModel.param_id)):
+                    params.setdefault(trial_id, []).append(row)
+            return [self._frozen_trial(trial, params.get(trial.trial_id, [])) for trial in trials]
+
+    @staticmethod
+    def _frozen_trial(trial: models.TrialModel, params: list[tuple[str, float, str]]) -> FrozenTrial:
+        """Optuna's build of a trial read back, with each distinct distribution parsed once: Optuna parses every
+        param's JSON twice per read, most of the time it takes to build a trial of 500 params."""
+        values = None
+        if trial.values:
+            values = [0.0] * len(trial.values)
+            for value in trial.values:
+                values[value.objective] = models.TrialValueModel.stored_repr_to_value(value.value, value.value_type)
+        return FrozenTrial(
+            number=trial.number, state=trial.state, value=None, values=values,
+            datetime_start=trial.datetime_start, datetime_complete=trial.datetime_complete,
+            params={name: _distribution(dist).to_external_repr(value) for name, value, dist in params},
+            distributions={name: _distribution(dist) for name, _, dist in params},
+            user_attrs={attr.key: json.loads(attr.value_json) for attr in trial.user_attributes},
+            system_attrs={attr.key: json.loads(attr.value_json) for attr in trial.system_attributes},
+            intermediate_values={v.step: models.TrialIntermediateValueModel.stored_repr_to_intermediate_value(
+                v.intermediate_value, v.intermediate_value_type) for v in trial.intermediate_values},
+            trial_id=trial.trial_id)
 
     def __getstate__(self) -> dict[Any, Any]:
-        self.flush_params()
+        self.flush()
         state = super().__getstate__()
         state.pop("_pending_lock", None)
         return state
@@ -77,21 +162,33 @@ class ParamBatchingStorage(RDBStorage):
         self._pending_lock = threading.Lock()
 
 
+_PARAM_COLUMNS = (models.TrialParamModel.param_name, models.TrialParamModel.param_value,
+                  models.TrialParamModel.distribution_json)
+_TRIAL_RELATIONS = ("values", "user_attributes", "system_attributes", "intermediate_values")  # backrefs: by name
+# Upserts by dialect: the databases the tuner documents (SQLite by default, PostgreSQL for several machines).
+_UPSERTS = {"sqlite": sqlalchemy.dialects.sqlite.insert, "postgresql": sqlalchemy.dialects.postgresql.insert}
+
+
+@functools.lru_cache(maxsize=1024)
+def _distribution(distribution_json: str) -> BaseDistribution:
+    return json_to_distribution(distribution_json)   # shared between trials: distributions are never changed
+
+
 def _flushing_first(method):
     def wrapper(self, *args, **kwargs):
-        self.flush_params()
+        self.flush()
         return method(self, *args, **kwargs)
     wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
     return wrapper
 
 
-# Every RDBStorage method that writes a trial or reads trials back sees the pending params first.
+# Every RDBStorage method that writes a trial or reads trials back sees the pending writes first.
 for _name in ("_create_new_trial", "create_new_trial", "set_trial_state_values", "set_trial_intermediate_value",
-              "set_trial_user_attr", "set_trial_system_attr", "get_trial", "get_trial_param", "get_trial_params",
+              "set_trial_system_attr", "get_trial", "get_trial_param", "get_trial_params",
               "get_trial_user_attrs", "get_trial_system_attrs", "_get_trials", "get_all_trials", "get_n_trials",
               "get_best_trial", "_get_best_trial_id", "_get_stale_trial_ids", "get_trial_id_from_study_id_trial_number",
               "delete_study", "remove_session"):
-    setattr(ParamBatchingStorage, _name, _flushing_first(getattr(RDBStorage, _name)))
+    setattr(WriteBatchingStorage, _name, _flushing_first(getattr(WriteBatchingStorage, _name)))
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -99,7 +196,7 @@ def sqlite_path(url: str) -> Path | None:
     return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
 
 
-def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> ParamBatchingStorage:
+def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> WriteBatchingStorage:
     """An RDB storage whose running trials beat: a process killed mid-trial stops beating, and after the grace
     period the next run (or another worker) marks its trial FAILED and the retry callback queues the plan again.
 
@@ -115,7 +212,7 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = ParamBatchingStorage(
+        storage = WriteBatchingStorage(
             url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
     if url.startswith("sqlite"):

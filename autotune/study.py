@@ -22,7 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.config import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
-from autotune.storage import open_storage, sqlite_path
+from autotune.storage import WriteBatchingStorage, open_storage, sqlite_path
 
 ATTR_PREFIX = "autotune."
 
@@ -69,19 +69,28 @@ def set_attr(study: optuna.Study, key: str, value: Any) -> None:
 
 
 @contextmanager
-def plan_lock(storage_url: str, study_name: str) -> Iterator[None]:
-    """Serialises claims on plans among the processes of one machine that tune this study."""
+def plan_lock(storage_url: str, study: optuna.Study) -> Iterator[None]:
+    """Serialises claims on plans among the processes of one machine that tune this study. What was written to
+    the study under the lock is committed before the lock is released, so the next holder reads it."""
     path = sqlite_path(storage_url)
     # A relative SQLite path names the same file from any working directory only once resolved.
-    identity = f"{path.resolve() if path is not None else storage_url}|{study_name}"
+    identity = f"{path.resolve() if path is not None else storage_url}|{study.study_name}"
     lock_dir = Path(tempfile.gettempdir()) / "autotune-locks"
     lock_dir.mkdir(exist_ok=True)
     with open(lock_dir / f"{hashlib.sha1(identity.encode()).hexdigest()}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
+            flush_writes(study)
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def flush_writes(study: optuna.Study) -> None:
+    """Commits the trial writes the storage still holds (WriteBatchingStorage batches them)."""
+    storage = getattr(study._storage, "_backend", study._storage)   # Optuna puts a cache in front of RDB storages
+    if isinstance(storage, WriteBatchingStorage):
+        storage.flush()
 
 
 def trial_plan(trial: FrozenTrial) -> Plan:

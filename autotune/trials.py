@@ -77,6 +77,7 @@ class TrialRunner:
         self.study, self.space, self.fp32, self.eval_fn = study, space, fp32, eval_fn
         self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
         self.measurer = measurer
+        self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}
         self.failed: set[str] = set()
         self.refresh()
@@ -90,7 +91,7 @@ class TrialRunner:
         """Returns once `key` is finished or failed somewhere, or claimed for `trial`; waits while another
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
         while True:
-            with studies.plan_lock(self.config.storage, self.study.study_name):
+            with studies.plan_lock(self.config.storage, self.study):
                 view = self.refresh()
                 if key in self.outcomes or key in self.failed:
                     return
@@ -121,7 +122,7 @@ class TrialRunner:
         return self._evaluate(trial, plan, key)
 
     def _evaluate(self, trial: optuna.Trial, plan: Plan, key: str) -> float | tuple[float, float]:
-        tuned = apply_plan(self.fp32, plan, self.calibration)
+        tuned = apply_plan(self.fp32, plan, self.calibration, self.variants)
         self.eval_calls += 1
         try:
             accuracy = score_of(call_with_timeout(self.eval_fn, tuned, self.config.trial_timeout))

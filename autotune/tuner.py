@@ -108,7 +108,7 @@ def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, n
     best_uniform = [t for t in passing if plan_key(studies.trial_plan(t)) in uniform][:1]
     finalists = {f"trial {t.number}": plan for t in passing[:3] + best_uniform
                  if not is_baseline(plan := studies.trial_plan(t))}
-    models = {name: apply_plan(runner.fp32, plan, runner.calibration) for name, plan in finalists.items()}
+    models = {name: apply_plan(runner.fp32, plan, runner.calibration, runner.variants) for name, plan in finalists.items()}
     timing = runner.measurer.latency({"fp32": runner.fp32, **models}, runner.inputs, 2 * config.repeats)
     for name in sorted(models, key=lambda n: timing[n].median_ms):
         if timing[name].median_ms >= timing["fp32"].median_ms:
@@ -159,7 +159,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study)   # trials of a killed earlier run: FAILED now, their plans queued again
 
-    with studies.plan_lock(config.storage, study.study_name):
+    with studies.plan_lock(config.storage, study):
         baseline = studies.get_attr(study, "baseline_accuracy")
         eval_calls = 0
         if baseline is None or example_inputs is None:

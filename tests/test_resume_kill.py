@@ -83,8 +83,9 @@ def kill_mid_trial(config: Path, tmp_path: Path, study_name: str) -> None:
             if study is not None:
                 trials = study.get_trials(deepcopy=False)
                 done = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated")]
-                # "evaluated" is set just before eval_fn, which sleeps 1.2 s: the kill lands inside it.
-                in_eval = [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("evaluated")]
+                # A trial claims its plan ("plan_key", written at once) just before eval_fn, which sleeps 1.2 s:
+                # the kill lands inside it.
+                in_eval = [t for t in trials if t.state == TrialState.RUNNING and "plan_key" in t.user_attrs]
                 if len(done) >= 2 and in_eval:
                     os.kill(proc.pid, signal.SIGKILL)
                     break

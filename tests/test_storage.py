@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy
 
 from autotune.storage import open_storage
+from autotune.study import plan_lock
 
 PARAMS = 100
 QUEUED = 60      # trials queued for WORKERS processes to pop at once
@@ -40,21 +41,76 @@ def test_params_land_in_one_transaction_and_plain_optuna_reads_them(tmp_path):
                for t in reread.trials)
 
 
-def test_a_running_trials_params_are_visible_to_other_processes_after_its_next_write(tmp_path):
+def test_a_running_trials_writes_reach_other_processes_when_the_plan_lock_is_released(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(study_name="s", storage=open_storage(url))
     seen = {}
 
     def objective(trial):
-        plan = suggest_all(trial)
-        trial.set_user_attr("plan_key", "claimed")
-        other = optuna.load_study(study_name="s", storage=url)
-        seen.update(other.trials[trial.number].params)
-        assert other.trials[trial.number].state == optuna.trial.TrialState.RUNNING
+        with plan_lock(url, study):
+            plan = suggest_all(trial)
+            trial.set_user_attr("plan_key", "claimed")
+            held = optuna.load_study(study_name="s", storage=url).trials[trial.number]
+            assert "plan_key" not in held.user_attrs       # batched, not yet written
+        other = optuna.load_study(study_name="s", storage=url).trials[trial.number]
+        seen.update(params=other.params, attrs=other.user_attrs, state=other.state)
         return float(len(plan))
 
     study.optimize(objective, n_trials=1)
-    assert len(seen) == PARAMS
+    assert len(seen["params"]) == PARAMS
+    assert seen["attrs"] == {"plan_key": "claimed"}
+    assert seen["state"] == optuna.trial.TrialState.RUNNING
+
+
+def test_a_trials_attributes_are_written_in_one_transaction_and_read_back_by_plain_optuna(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    storage = open_storage(url)
+    writes = []
+    sqlalchemy.event.listen(storage.engine, "before_cursor_execute",
+                            lambda _c, _cursor, statement, *_: writes.append(statement)
+                            if statement.startswith("INSERT INTO trial_user_attributes") else None)
+    study = optuna.create_study(study_name="s", storage=storage)
+    attrs = {"accuracy": 0.91, "passed": True, "plan": {"a": "int8"}, "summary": "int8×1", "n": None}
+
+    def objective(trial):
+        before = len(writes)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("accuracy", 0.92)                    # the last value written wins
+        storage.flush()
+        assert len(writes) - before == 1, "one statement for all of a trial's attributes"
+        return 1.0
+
+    study.optimize(objective, n_trials=2)
+    assert [t.user_attrs for t in optuna.load_study(study_name="s", storage=url).trials] == \
+        [attrs | {"accuracy": 0.92}] * 2
+
+
+def test_reads_match_optunas_own_storage(tmp_path):
+    """The storage reads trials back with its own queries; Optuna's RDBStorage must read the same."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=open_storage(url), directions=["minimize", "minimize"])
+
+    def objective(trial):
+        suggest_all(trial)
+        trial.suggest_float("x", 0.1, 1.0, log=True)
+        trial.set_user_attr("plan", {"m0": "int8"})
+        trial.set_constraint("accuracy", -0.5)
+        if trial.number == 1:
+            raise ValueError("a failed trial keeps its params")
+        return float("inf") if trial.number == 2 else 1.5, -float(trial.number)
+
+    study.optimize(objective, n_trials=4, catch=(ValueError,))
+    study.enqueue_trial({"m0": "fp32"}, user_attrs={"source": "queued"})
+    ours = open_storage(url)
+    plain = optuna.storages.RDBStorage(url)
+    study_id = plain.get_study_id_from_name("s")
+    theirs = plain.get_all_trials(study_id)
+    assert len(theirs) == 5
+    assert ours.get_all_trials(study_id) == theirs
+    assert [ours.get_trial(t._trial_id) for t in theirs] == theirs
+    assert ours._get_trials(study_id, None, {theirs[1]._trial_id}, theirs[2]._trial_id) == [theirs[1], theirs[3],
+                                                                                          theirs[4]]
 
 
 def test_an_incompatible_distribution_is_refused_as_optuna_refuses_it(tmp_path):
@@ -64,12 +120,14 @@ def test_an_incompatible_distribution_is_refused_as_optuna_refuses_it(tmp_path):
 
     def objective(trial):
         suggest_all(trial, choices=("int8", "fp16"))
-        trial.set_user_attr("plan", "x")
+        with plan_lock(url, study):     # the tuner's claim: pending writes go out as the lock is released
+            trial.set_user_attr("plan", "x")
         return 0.0
 
     with pytest.raises(ValueError, match="does not support dynamic value space"):
         study.optimize(objective, n_trials=1)
-    assert optuna.load_study(study_name="s", storage=url).trials[1].params == {}
+    refused = optuna.load_study(study_name="s", storage=url).trials[1]
+    assert refused.params == {} and refused.user_attrs == {}
 
 
 def _pop_all(url: str) -> list[int]:
