@@ -116,3 +116,20 @@ def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
     assert len({plan_key(p) for p in plans}) == len(plans) == s.size - 1     # all-fp32 is the baseline
     assert plans[0] == s.fastest_plan()
     assert all(any(d != "fp32" for d in p.values()) for p in plans)
+
+
+def test_min_cost_choice_matches_brute_force_on_random_instances():
+    import itertools
+    import random
+    from autotune.search import min_cost_choice
+    rng = random.Random(0)
+    for _ in range(30):
+        items = rng.randint(1, 5)
+        costs = [[rng.choice([1.0, 2.0, rng.random() * 3]) for _ in range(3)] for _ in range(items)]
+        weights = [[0] + [rng.randint(0, 12) for _ in range(2)] for _ in range(items)]
+        capacity = rng.randint(0, 15)
+        picks = min_cost_choice(costs, weights, capacity)
+        assert sum(w[p] for w, p in zip(weights, picks)) <= capacity
+        best = min(sum(c[p] for c, p in zip(costs, choice)) for choice in itertools.product(range(3), repeat=items)
+                   if sum(w[p] for w, p in zip(weights, choice)) <= capacity)
+        assert math.isclose(sum(c[p] for c, p in zip(costs, picks)), best)
