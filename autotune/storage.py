@@ -98,6 +98,16 @@ class WriteBatchingStorage(RDBStorage):
                          "distribution_json": distribution_to_json(distribution)})
         return rows
 
+    def trials_with_user_attr(self, study_id: int, key: str, value: Any) -> dict[int, TrialState]:
+        """{number: state} of the study's trials whose user attribute `key` is `value`: one query, no trial read."""
+        with _create_scoped_session(self.scoped_session) as session:
+            rows = session.execute(
+                sqlalchemy.select(models.TrialModel.number, models.TrialModel.state)
+                .join(models.TrialUserAttributeModel)
+                .where(models.TrialModel.study_id == study_id, models.TrialUserAttributeModel.key == key,
+                       models.TrialUserAttributeModel.value_json == json.dumps(value))).all()
+        return dict(rows)
+
     def get_trial(self, trial_id: int) -> FrozenTrial:
         """Optuna's, with the params read as plain rows: building 500 ORM objects per read of a running trial
         cost more than the rest of the read."""
@@ -184,8 +194,8 @@ def _flushing_first(method):
 
 # Every RDBStorage method that writes a trial or reads trials back sees the pending writes first.
 for _name in ("_create_new_trial", "create_new_trial", "set_trial_state_values", "set_trial_intermediate_value",
-              "set_trial_system_attr", "get_trial", "get_trial_param", "get_trial_params",
-              "get_trial_user_attrs", "get_trial_system_attrs", "_get_trials", "get_all_trials", "get_n_trials",
+              "set_trial_system_attr", "get_trial", "get_trial_param", "get_trial_params", "get_trial_user_attrs",
+              "get_trial_system_attrs", "_get_trials", "trials_with_user_attr", "get_all_trials", "get_n_trials",
               "get_best_trial", "_get_best_trial_id", "_get_stale_trial_ids", "get_trial_id_from_study_id_trial_number",
               "delete_study", "remove_session"):
     setattr(WriteBatchingStorage, _name, _flushing_first(getattr(WriteBatchingStorage, _name)))

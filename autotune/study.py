@@ -88,9 +88,22 @@ def plan_lock(storage_url: str, study: optuna.Study) -> Iterator[None]:
 
 def flush_writes(study: optuna.Study) -> None:
     """Commits the trial writes the storage still holds (WriteBatchingStorage batches them)."""
-    storage = getattr(study._storage, "_backend", study._storage)   # Optuna puts a cache in front of RDB storages
+    storage = _backend(study)
     if isinstance(storage, WriteBatchingStorage):
         storage.flush()
+
+
+def plan_holders(study: optuna.Study, key: str) -> dict[int, TrialState]:
+    """{trial number: state} of the trials that claimed plan `key` (TrialRunner._claim), without reading trials
+    back where the storage can query the claim directly."""
+    storage = _backend(study)
+    if isinstance(storage, WriteBatchingStorage):
+        return storage.trials_with_user_attr(study._study_id, "plan_key", key)
+    return {t.number: t.state for t in study.get_trials(deepcopy=False) if t.user_attrs.get("plan_key") == key}
+
+
+def _backend(study: optuna.Study) -> optuna.storages.BaseStorage:
+    return getattr(study._storage, "_backend", study._storage)   # Optuna puts a cache in front of RDB storages
 
 
 def trial_plan(trial: FrozenTrial) -> Plan:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import optuna
 import torch
+from optuna.trial import TrialState
 from torch import nn
 
 from autotune import study as studies
@@ -92,11 +93,12 @@ class TrialRunner:
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
         while True:
             with studies.plan_lock(self.config.storage, self.study):
-                view = self.refresh()
+                holders = {} if key in self.outcomes or key in self.failed else studies.plan_holders(self.study, key)
+                if any(state.is_finished() for state in holders.values()):
+                    self.refresh()    # finished elsewhere since this runner last read the study
                 if key in self.outcomes or key in self.failed:
                     return
-                holder = view.claims.get(key, trial.number)
-                if holder == trial.number:
+                if not [n for n, state in holders.items() if state == TrialState.RUNNING and n != trial.number]:
                     trial.set_user_attr("plan_key", key)
                     return
             time.sleep(CLAIM_POLL_S)
@@ -134,13 +136,13 @@ class TrialRunner:
         timing = self.measurer.latency({"fp32": self.fp32, "plan": tuned}, self.inputs, self.config.repeats)
         loss = self.config.accuracy_loss(self.baseline, accuracy)
         outcome = Outcome(timing["plan"].median_ms / timing["fp32"].median_ms, loss, self.config.tolerable_loss)
-        if self.config.objective == "latency":
-            trial.set_constraint("accuracy", outcome.constraint)
         for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
                             ("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
                             ("fp32_latency_ms", timing["fp32"].median_ms), ("weight_bytes", weight_bytes(tuned)),
                             ("plan_summary", summarize(plan))):
             trial.set_user_attr(name, value)
+        if self.config.objective == "latency":   # after the attributes: its read writes them in one transaction
+            trial.set_constraint("accuracy", outcome.constraint)
         self.outcomes[key] = outcome
         log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32 %s", trial.number,
                  trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss,
