@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 _EMPTY_CONTAINERS = (dict, OrderedDict, set)
+_IMMUTABLE = (bool, int, float, str, type(None))   # what deepcopy returns as is
 
 
 def clone(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
@@ -33,14 +34,14 @@ def copy_module_state(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     memo[id(module)] = copied
     state = {}
     for key, value in module.__dict__.items():
-        if key == "_compiled_call_impl":     # dropped by Module.__getstate__ too
-            continue
-        if key == "_modules":
-            state[key] = type(value)((name, None if child is None else clone(child, memo))
-                                     for name, child in value.items())
-        elif type(value) in _EMPTY_CONTAINERS and not value:
-            state[key] = type(value)()
-        else:
+        kind = type(value)
+        if kind in _IMMUTABLE:
+            state[key] = value
+        elif key == "_modules":
+            state[key] = kind((name, None if child is None else clone(child, memo)) for name, child in value.items())
+        elif kind in _EMPTY_CONTAINERS and not value:
+            state[key] = kind()
+        elif key != "_compiled_call_impl":   # dropped by Module.__getstate__ too
             state[key] = copy.deepcopy(value, memo)
     copied.__dict__.update(state)
     return copied

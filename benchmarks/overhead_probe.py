@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/overhead_probe.py [--sizes 50,200,500] [--max-trials 40]
 
-Prototype only: the in-memory run monkeypatches autotune.study.open_storage to return optuna's InMemoryStorage
-(the tuner's code is unchanged), to show how much of the per-trial overhead is the SQLite storage writing one
-transaction per module parameter. Prints seconds outside eval_fn and measurement, per eval_fn call.
+The in-memory run monkeypatches autotune.study.open_storage to return optuna's InMemoryStorage (the tuner's code
+is unchanged), to show how much of the per-trial overhead is the SQLite storage. Prints seconds outside eval_fn
+and measurement, per eval_fn call.
 """
 from __future__ import annotations
 

@@ -147,3 +147,23 @@ def test_concurrent_workers_never_pop_the_same_queued_trial(tmp_path):
         popped = [trial_id for ids in pool.map(_pop_all, [url] * WORKERS) for trial_id in ids]
     assert sorted(popped) == sorted(set(popped)), "a queued trial was handed to two workers"
     assert len(popped) == QUEUED
+
+
+def test_plan_holders_come_from_one_query_and_match_a_scan_of_the_trials(tmp_path):
+    from autotune.study import plan_holders
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    for key in ("a", "b", "a"):
+        trial = study.ask()
+        trial.set_user_attr("plan_key", key)
+        study.tell(trial, 1.0)
+    running = study.ask()
+    running.set_user_attr("plan_key", "b")
+    holders = plan_holders(study, "b")
+    assert holders == {1: optuna.trial.TrialState.COMPLETE, 3: optuna.trial.TrialState.RUNNING}
+    assert plan_holders(study, "a") == {0: optuna.trial.TrialState.COMPLETE, 2: optuna.trial.TrialState.COMPLETE}
+    assert plan_holders(study, "c") == {}
+    in_memory = optuna.create_study()
+    for trial in study.trials:
+        in_memory.add_trial(trial) if trial.state.is_finished() else None
+    assert plan_holders(in_memory, "a") == plan_holders(study, "a")

@@ -96,3 +96,20 @@ def test_a_trial_whose_eval_fn_gives_no_number_or_runs_too_long_fails_with_the_r
     assert any(t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated") for t in result.study.trials)
     assert result.plan["1.0"] == "fp32"
     assert time.monotonic() - started < 25   # the sleeping eval_fn was cut off, not waited for
+
+
+def test_the_collector_threshold_is_raised_during_tuning_and_restored_after_even_on_error(storage):
+    import gc
+    before = gc.get_threshold()
+    seen = []
+
+    def eval_fn(net):
+        seen.append(gc.get_threshold()[0])
+        raise KeyboardInterrupt   # not an eval_fn failure: it ends the run
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+                          max_trials=4, repeats=3, storage=storage, study_name="gc")
+    with pytest.raises(KeyboardInterrupt):
+        autotune(nn.Sequential(nn.Linear(8, 8)), config, eval_fn, example_inputs=torch.randn(2, 8))
+    assert seen and all(threshold >= 20_000 for threshold in seen)
+    assert gc.get_threshold() == before
