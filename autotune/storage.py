@@ -18,8 +18,8 @@ import functools
 import json
 import threading
 import warnings
-from pathlib import Path
 from collections.abc import Container
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -74,9 +74,13 @@ class WriteBatchingStorage(RDBStorage):
         self.check_trial_is_updatable(trial_id, trial.state)
         if params:
             session.execute(sqlalchemy.insert(models.TrialParamModel), self._param_rows(session, trial, params))
-        if attrs:
+        insert = _UPSERTS.get(self.engine.name)
+        if attrs and insert is None:   # another database Optuna supports: its own upsert, one per attribute
+            for key, value in attrs.items():
+                self._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, key, value)
+        elif attrs:
             rows = [{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)} for key, value in attrs.items()]
-            upsert = _UPSERTS[self.engine.name](models.TrialUserAttributeModel)
+            upsert = insert(models.TrialUserAttributeModel)
             session.execute(upsert.on_conflict_do_update(index_elements=["trial_id", "key"],
                                                          set_={"value_json": upsert.excluded.value_json}), rows)
 
@@ -113,7 +117,8 @@ class WriteBatchingStorage(RDBStorage):
         cost more than the rest of the read."""
         with _create_scoped_session(self.scoped_session) as session:
             trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
-            params = session.execute(sqlalchemy.select(*_PARAM_COLUMNS).where(models.TrialParamModel.trial_id == trial_id)
+            params = session.execute(sqlalchemy.select(*_PARAM_COLUMNS)
+                                     .where(models.TrialParamModel.trial_id == trial_id)
                                      .order_by(models.TrialParamModel.param_id)).all()
             return self._frozen_trial(trial, params)
 
@@ -130,8 +135,8 @@ class WriteBatchingStorage(RDBStorage):
             where.append(sqlalchemy.or_(models.TrialModel.trial_id.in_(included), newer) if included else newer)
         with _create_scoped_session(self.scoped_session) as session:
             models.StudyModel.find_or_raise_by_id(study_id, session)
-            trials = (session.query(models.TrialModel)
-                      .options(*(sqlalchemy.orm.selectinload(getattr(models.TrialModel, name)) for name in _TRIAL_RELATIONS))
+            relations = (sqlalchemy.orm.selectinload(getattr(models.TrialModel, name)) for name in _TRIAL_RELATIONS)
+            trials = (session.query(models.TrialModel).options(*relations)
                       .filter(*where).order_by(models.TrialModel.trial_id).all())
             params: dict[int, list] = {}
             if trials:
@@ -175,7 +180,8 @@ class WriteBatchingStorage(RDBStorage):
 _PARAM_COLUMNS = (models.TrialParamModel.param_name, models.TrialParamModel.param_value,
                   models.TrialParamModel.distribution_json)
 _TRIAL_RELATIONS = ("values", "user_attributes", "system_attributes", "intermediate_values")  # backrefs: by name
-# Upserts by dialect: the databases the tuner documents (SQLite by default, PostgreSQL for several machines).
+# Upserts by dialect: the databases the tuner documents (SQLite by default, PostgreSQL for several machines);
+# any other falls back to Optuna's write per attribute.
 _UPSERTS = {"sqlite": sqlalchemy.dialects.sqlite.insert, "postgresql": sqlalchemy.dialects.postgresql.insert}
 
 
