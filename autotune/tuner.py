@@ -110,7 +110,8 @@ def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, n
     best_uniform = [t for t in passing if plan_key(studies.trial_plan(t)) in uniform][:1]
     finalists = {f"trial {t.number}": plan for t in passing[:3] + best_uniform
                  if not is_baseline(plan := studies.trial_plan(t))}
-    models = {name: apply_plan(runner.fp32, plan, runner.calibration, runner.variants) for name, plan in finalists.items()}
+    models = {name: apply_plan(runner.fp32, plan, runner.calibration, runner.variants)
+              for name, plan in finalists.items()}
     timing = runner.measurer.latency({"fp32": runner.fp32, **models}, runner.inputs, 2 * config.repeats)
     for name in sorted(models, key=lambda n: timing[n].median_ms):
         if timing[name].median_ms >= timing["fp32"].median_ms:
