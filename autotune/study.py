@@ -94,8 +94,8 @@ def flush_writes(study: optuna.Study) -> None:
 
 
 def plan_holders(study: optuna.Study, key: str) -> dict[int, TrialState]:
-    """{trial number: state} of the trials that claimed plan `key` (TrialRunner._claim), without reading trials
-    back where the storage can query the claim directly."""
+    """{trial number: state} of the trials that claimed plan `key` (TrialRunner._claim), in one consistent read
+    (a holder shows as running or as finished, never as neither), by a query where the storage can make one."""
     storage = _backend(study)
     if isinstance(storage, WriteBatchingStorage):
         return storage.trials_with_user_attr(study._study_id, "plan_key", key)
@@ -127,11 +127,10 @@ def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 @dataclass(frozen=True)
 class TrialsView:
-    """What the search needs to know of a study's trials, from one read of the storage (one consistent state,
-    so a claim's holder shows either as running or as finished, never as neither)."""
+    """What the search needs to know of a study's trials, from one read of the storage (one consistent state).
+    Who holds a plan is asked of the storage directly: plan_holders."""
     finished: dict[str, FrozenTrial]  # plan key -> its first completed, evaluated trial: reused, not evaluated again
     failed: set[str]                  # plans whose eval_fn call failed (raised, timed out, no number): not again
-    claims: dict[str, int]            # plan key -> number of the running trial that claimed it (TrialRunner._claim)
     waiting: int                      # queued trials
     evaluated: int                    # trials whose eval_fn call ended
 
@@ -139,21 +138,17 @@ class TrialsView:
 def view_trials(study: optuna.Study) -> TrialsView:
     finished: dict[str, FrozenTrial] = {}
     failed: set[str] = set()
-    claims: dict[str, int] = {}
     waiting = evaluated = 0
     for trial in study.get_trials(deepcopy=False):
         if trial.state == TrialState.WAITING:
             waiting += 1
-        elif trial.state == TrialState.RUNNING:
-            if "plan_key" in trial.user_attrs:
-                claims[trial.user_attrs["plan_key"]] = trial.number
         elif _evaluated(trial):
             evaluated += 1
             if trial.state == TrialState.COMPLETE:
                 finished.setdefault(plan_key(trial_plan(trial)), trial)
             else:
                 failed.add(plan_key(trial_plan(trial)))
-    return TrialsView(finished, failed, claims, waiting, evaluated)
+    return TrialsView(finished, failed, waiting, evaluated)
 
 
 def passing_trials(study: optuna.Study) -> list[FrozenTrial]:

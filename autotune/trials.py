@@ -71,6 +71,11 @@ def fail_stale_trials(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
+def _running_elsewhere(holders: dict[int, TrialState], own: int | None = None) -> bool:
+    """Whether a running trial other than `own` is among a plan's holders (studies.plan_holders)."""
+    return any(state == TrialState.RUNNING and number != own for number, state in holders.items())
+
+
 class TrialRunner:
     def __init__(self, study: optuna.Study, space: SearchSpace, fp32: nn.Module, eval_fn: EvalFn,
                  inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
@@ -93,12 +98,14 @@ class TrialRunner:
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
         while True:
             with studies.plan_lock(self.config.storage, self.study):
-                holders = {} if key in self.outcomes or key in self.failed else studies.plan_holders(self.study, key)
-                if any(state.is_finished() for state in holders.values()):
-                    self.refresh()    # finished elsewhere since this runner last read the study
                 if key in self.outcomes or key in self.failed:
                     return
-                if not [n for n, state in holders.items() if state == TrialState.RUNNING and n != trial.number]:
+                holders = studies.plan_holders(self.study, key)
+                if any(state.is_finished() for state in holders.values()):
+                    self.refresh()    # finished elsewhere since this runner last read the study
+                    if key in self.outcomes or key in self.failed:
+                        return
+                if not _running_elsewhere(holders, trial.number):
                     trial.set_user_attr("plan_key", key)
                     return
             time.sleep(CLAIM_POLL_S)
@@ -174,7 +181,11 @@ class TrialRunner:
             # Our plan's trial is running elsewhere, or died: wait, then queue it again if nobody holds it.
             time.sleep(CLAIM_POLL_S)
             fail_stale_trials(self.study)
-            queued = key in self.refresh().claims
+            queued = self.held_elsewhere(key)
+
+    def held_elsewhere(self, key: str) -> bool:
+        """Whether a running trial has claimed plan `key`: one query for its holders, the study is not read."""
+        return _running_elsewhere(studies.plan_holders(self.study, key))
 
     def run_queued(self) -> None:
         """Runs the plans still queued (re-queued after a crash, or left by a stopped worker)."""

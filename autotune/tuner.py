@@ -84,7 +84,7 @@ def _guided_then_sampled(runner: TrialRunner, config: TuningConfig, deadline: fl
             if key in runner.outcomes:
                 continue
             # A plan another worker is running is theirs: move on rather than wait for it.
-            if key not in runner.refresh().claims:
+            if not runner.held_elsewhere(key):
                 runner.run_plan(plan, "exhaustive")
                 note_progress()
         return
