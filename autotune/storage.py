@@ -72,8 +72,8 @@ class WriteBatchingStorage(RDBStorage):
         executemany for the params and one upsert for the attributes."""
         trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
         self.check_trial_is_updatable(trial_id, trial.state)
-        if params:
-            session.execute(sqlalchemy.insert(models.TrialParamModel), self._param_rows(session, trial, params))
+        if params:   # the table, not the ORM class: a plain executemany, not SQLAlchemy's ORM bulk insert
+            session.execute(sqlalchemy.insert(models.TrialParamModel.__table__), self._param_rows(session, trial, params))
         insert = _UPSERTS.get(self.engine.name)
         if attrs and insert is None:   # another database Optuna supports: its own upsert, one per attribute
             for key, value in attrs.items():
@@ -94,12 +94,13 @@ class WriteBatchingStorage(RDBStorage):
                       .group_by(models.TrialParamModel.param_name).all()) if unknown else {}
         rows = []
         for name, value, distribution, previous in params:
+            text = _json(distribution)
             if previous is None and name in stored:
                 previous = _distribution(stored[name])
-            if previous is not None:
+            if previous is not None and _json(previous) != text:   # equal ones are compatible
                 check_distribution_compatibility(previous, distribution)
             rows.append({"trial_id": trial.trial_id, "param_name": name, "param_value": value,
-                         "distribution_json": distribution_to_json(distribution)})
+                         "distribution_json": text})
         return rows
 
     def trials_with_user_attr(self, study_id: int, key: str, value: Any) -> dict[int, TrialState]:
@@ -188,6 +189,21 @@ _UPSERTS = {"sqlite": sqlalchemy.dialects.sqlite.insert, "postgresql": sqlalchem
 @functools.lru_cache(maxsize=1024)
 def _distribution(distribution_json: str) -> BaseDistribution:
     return json_to_distribution(distribution_json)   # shared between trials: distributions are never changed
+
+
+_JSON_OF: dict[tuple[type, str], str] = {}
+
+
+def _json(distribution: BaseDistribution) -> str:
+    """`distribution_to_json`, remembered by the repr of the distribution's attributes (which, unlike equality,
+    tells 1, 1.0 and True apart): each suggest makes a new distribution object, and JSON-encoding or comparing
+    two categorical ones costs several times this lookup."""
+    key = (type(distribution), repr(tuple(distribution.__dict__.items())))
+    if key not in _JSON_OF:
+        if len(_JSON_OF) >= 4096:
+            _JSON_OF.clear()
+        _JSON_OF[key] = distribution_to_json(distribution)
+    return _JSON_OF[key]
 
 
 def _flushing_first(method):

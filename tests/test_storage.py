@@ -135,6 +135,18 @@ def test_an_incompatible_distribution_is_refused_as_optuna_refuses_it(tmp_path):
     assert refused.params == {} and refused.user_attrs == {}
 
 
+def test_choices_optuna_counts_as_equal_are_stored_as_each_trial_wrote_them(tmp_path):
+    """1, 1.0 and True compare equal, so Optuna accepts each after the other; each trial keeps its own JSON."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))
+    choice_sets = [(1, 2), (True, 2), (1.0, 2)]
+    for choices in choice_sets:
+        study.optimize(lambda trial, c=choices: float(trial.suggest_categorical("x", list(c)) is c[0]), n_trials=1)
+    reread = optuna.load_study(study_name="s", storage=url).trials   # Optuna's own storage reads them back
+    assert [[(type(c), c) for c in t.distributions["x"].choices] for t in reread] == \
+        [[(type(c), c) for c in choices] for choices in choice_sets]
+
+
 def _pop_all(url: str) -> list[int]:
     study = optuna.load_study(study_name="q", storage=open_storage(url))
     popped = []
