@@ -133,3 +133,10 @@ def test_min_cost_choice_matches_brute_force_on_random_instances():
         best = min(sum(c[p] for c, p in zip(costs, choice)) for choice in itertools.product(range(3), repeat=items)
                    if sum(w[p] for w, p in zip(weights, choice)) <= capacity)
         assert math.isclose(sum(c[p] for c, p in zip(costs, picks)), best)
+
+
+def test_min_cost_choice_takes_the_first_of_options_that_tie():
+    from autotune.search import min_cost_choice
+    assert min_cost_choice([[1.0, 1.0]], [[0, 0]], 4) == [0]
+    assert min_cost_choice([[2.0, 1.0, 1.0], [1.0, 1.0]], [[0, 1, 1], [0, 0]], 1) == [1, 0]
+    assert min_cost_choice([[2.0, 1.0]], [[0, 5]], 4) == [0]       # the cheaper option does not fit
