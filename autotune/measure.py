@@ -2,6 +2,7 @@
 in one run, so drift on a shared machine hits all of them alike."""
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from contextlib import contextmanager
@@ -69,8 +70,10 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters and buffers; packed kernels report their own (`weight_nbytes`)."""
     total = 0
     for module in model.modules():
-        if hasattr(module, "weight_nbytes"):
+        if hasattr(type(module), "weight_nbytes"):   # on the class: a miss on the module costs an exception
             total += module.weight_nbytes()
-        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        total += sum(t.numel() * t.element_size() for t in tensors)
+        # The dicts themselves: parameters(recurse=False) walks a generator per module, a third of the time here.
+        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if tensor is not None:
+                total += tensor.nbytes
     return total

@@ -22,6 +22,6 @@ def test_threads_are_fixed_while_measuring_and_restored():
 
 
 def test_weight_bytes_counts_parameters_and_buffers():
-    model = nn.Sequential(nn.Linear(10, 5), nn.BatchNorm1d(5))
-    expected = (10 * 5 + 5) * 4 + (5 + 5 + 5 + 5) * 4 + 8  # BN: weight, bias, mean, var; int64 counter
+    model = nn.Sequential(nn.Linear(10, 5), nn.BatchNorm1d(5), nn.Linear(5, 3, bias=False).half())
+    expected = (10 * 5 + 5) * 4 + (5 + 5 + 5 + 5) * 4 + 8 + 5 * 3 * 2  # BN: weight, bias, mean, var; int64 counter
     assert weight_bytes(model) == expected
