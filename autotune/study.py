@@ -113,6 +113,12 @@ def trial_plan(trial: FrozenTrial) -> Plan:
     return {name: str(dtype) for name, dtype in trial.params.items()}
 
 
+def _plan_key(trial: FrozenTrial) -> str:
+    """The key of a trial's plan: the one its claim recorded (TrialRunner._claim; an evaluated trial has one), or
+    made from its plan for a trial written before claims recorded it."""
+    return trial.user_attrs.get("plan_key") or plan_key(trial_plan(trial))
+
+
 def _evaluated(trial: FrozenTrial) -> bool:
     """Whether a finished trial's eval_fn call ended (complete, or failed with a reason); duplicates are not.
     A trial failed by the heartbeat check (its process died mid-trial) has no fail_reason and does not count."""
@@ -145,9 +151,9 @@ def view_trials(study: optuna.Study) -> TrialsView:
         elif _evaluated(trial):
             evaluated += 1
             if trial.state == TrialState.COMPLETE:
-                finished.setdefault(plan_key(trial_plan(trial)), trial)
+                finished.setdefault(_plan_key(trial), trial)
             else:
-                failed.add(plan_key(trial_plan(trial)))
+                failed.add(_plan_key(trial))
     return TrialsView(finished, failed, waiting, evaluated)
 
 
