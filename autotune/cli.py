@@ -1,7 +1,6 @@
 """`autotune` command line: tune from a YAML file, inspect, export and report studies, re-apply a plan."""
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ import yaml
 
 from autotune import study as studies
 from autotune.capture import as_call_inputs, record_module_inputs, run_capturing, to_device
+from autotune.clone import clone
 from autotune.config import DEFAULT_STORAGE, TuningConfig
 from autotune.errors import AutotuneError, PlanError
 from autotune.file_config import FileConfig, load_config
@@ -238,7 +238,7 @@ def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
     example = config.build_example_inputs()
     if example is not None:
         return to_device(as_call_inputs(example), device)
-    return run_capturing(copy.deepcopy(model), config.evaluation.build(), stop_early=True)[1]
+    return run_capturing(clone(model), config.evaluation.build(), stop_early=True)[1]
 
 
 @main.command(name="apply")

@@ -6,13 +6,13 @@ change what a dtype costs (the MNIST net's first conv measures up to 3x slower i
 speeds the whole net up by a fifth). `confirm_in_context` checks such verdicts against the whole model."""
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import nn
 
 from autotune.backends import CallInputs
 from autotune.capture import call
+from autotune.clone import clone
 from autotune.measure import measure_latency
 from autotune.plan import apply_plan, lower_module, replace_module, uniform_plan
 from autotune.tree import float_tensors
@@ -35,7 +35,7 @@ def output_error(reference: torch.Tensor, output) -> float:
 def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
                        calibration: dict[str, CallInputs]) -> dict[str, dict[str, float]]:
     """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition."""
-    work = copy.deepcopy(model).eval()
+    work = clone(model).eval()
     with torch.inference_mode():
         reference = _flat_output(call(work, inputs))
         errors: dict[str, dict[str, float]] = {}

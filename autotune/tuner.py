@@ -1,7 +1,6 @@
 """`autotune(model, tune_config, eval_fn)`: baseline, cheap signals, guided search, sampler, verified winner."""
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import math
@@ -14,6 +13,7 @@ from torch import nn
 
 from autotune.backends import get_backend
 from autotune.capture import as_call_inputs, record_module_inputs, run_capturing, to_device
+from autotune.clone import clone
 from autotune.config import TuningConfig
 from autotune.discovery import qkv_groups, tunable_modules
 from autotune.errors import EvalFunctionError
@@ -118,7 +118,7 @@ def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, n
             break
         runner.eval_calls += 1
         try:
-            accuracy = score_of(call_with_timeout(runner.eval_fn, copy.deepcopy(models[name]), config.trial_timeout))
+            accuracy = score_of(call_with_timeout(runner.eval_fn, clone(models[name]), config.trial_timeout))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
             log.warning("%s: re-evaluation failed (%s: %s); trying the next", name, type(exc).__name__, exc)
             continue
@@ -127,7 +127,7 @@ def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, n
         log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
                     name, accuracy)
     log.warning("no lowered plan both met the accuracy requirement and ran faster than fp32; keeping fp32")
-    return fp32_plan, copy.deepcopy(runner.fp32), runner.baseline, timing | {"best": timing["fp32"]}
+    return fp32_plan, clone(runner.fp32), runner.baseline, timing | {"best": timing["fp32"]}
 
 
 @contextmanager
@@ -174,7 +174,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
-    fp32 = copy.deepcopy(model).eval().to(device)
+    fp32 = clone(model).eval().to(device)
     candidates = search_candidates(fp32, config)
     study = studies.open_study(config, study_name_for(model, config, candidates), candidates)
     measurer = measurer or DeviceMeasurer(config)
@@ -186,7 +186,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         if baseline is None or example_inputs is None:
             eval_calls += 1
             try:
-                returned, captured = run_capturing(copy.deepcopy(fp32), eval_fn, stop_early=baseline is not None)
+                returned, captured = run_capturing(clone(fp32), eval_fn, stop_early=baseline is not None)
                 if baseline is None:
                     baseline = score_of(returned)
             except EvalFunctionError as exc:
