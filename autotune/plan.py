@@ -86,4 +86,9 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
 
 def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:
     """The plan a model built by apply_plan holds, read back from the module types at `names`."""
-    return {name: dtype_of(model.get_submodule(name)) for name in names}
+    modules = dict(model.named_modules(remove_duplicate=False))   # one walk, not one get_submodule per name
+    names = list(names)
+    missing = [name for name in names if name not in modules]
+    if missing:
+        raise PlanError(f"{type(model).__name__} has no module {missing[0]!r}")
+    return {name: dtype_of(modules[name]) for name in names}

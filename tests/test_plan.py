@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from autotune import PlanError, apply_plan
-from autotune.plan import plan_key, summarize, validate_plan
+from autotune.plan import plan_key, plan_of, summarize, validate_plan
 from conftest import assert_state_equal, state_snapshot
 
 
@@ -55,3 +55,11 @@ def test_models_built_from_kept_variants_match_fresh_ones_and_share_no_module():
     assert all(a is not b for a, b in zip(first, second))
     assert first[0]._packed is second[0]._packed                            # immutable packed int8 weights
     assert_state_equal(model, before)
+
+
+def test_plan_of_reads_a_plan_back_and_names_a_missing_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+    built = apply_plan(model, {"0": "bf16", "1.0": "int8"})
+    assert plan_of(built, (name for name in ["0", "1.0"])) == {"0": "bf16", "1.0": "int8"}
+    with pytest.raises(PlanError, match="no module '2'"):
+        plan_of(built, ["0", "2"])
