@@ -118,6 +118,37 @@ def test_reads_match_optunas_own_storage(tmp_path):
                                                                                           theirs[4]]
 
 
+def test_a_trial_this_process_runs_reads_back_from_one_query_as_optuna_reads_it(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    storage = open_storage(url, heartbeat_interval=None)    # trials asked for by hand: no heartbeat
+    study = optuna.create_study(study_name="s", storage=storage)
+    plain = optuna.storages.RDBStorage(url)      # another process's view: Optuna's own storage
+    selects = []
+    sqlalchemy.event.listen(storage.engine, "before_cursor_execute",
+                            lambda *args: selects.append(1) if args[2].lstrip().startswith("SELECT") else None)
+
+    def read_both(trial_id: int) -> tuple[optuna.trial.FrozenTrial, optuna.trial.FrozenTrial, int]:
+        storage.flush()
+        before = len(selects)
+        ours = storage.get_trial(trial_id)
+        return ours, plain.get_trial(trial_id), len(selects) - before
+
+    study.enqueue_trial({"m0": "fp32"}, user_attrs={"source": "queued"})
+    for trial in (study.ask(), study.ask()):      # a queued trial taken, then a new one
+        suggest_all(trial)
+        trial.suggest_float("x", 0.1, 1.0, log=True)
+        trial.set_user_attr("plan", {"m0": ("int8",)})    # a tuple reads back as a list, as from the database
+        trial.set_constraint("accuracy", -0.5)
+        trial.report(0.25, step=3)
+        ours, theirs, queries = read_both(trial._trial_id)
+        assert ours == theirs and ours.params["m0"] in ("int8", "bf16", "fp32")
+        assert ours.user_attrs["plan"] == {"m0": ["int8"]} and ours.intermediate_values == {3: 0.25}
+        assert queries == 1, "a running trial of this process is read from its row alone"
+    plain.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)     # another process fails it
+    ours, theirs, _ = read_both(trial._trial_id)
+    assert ours == theirs and ours.state == optuna.trial.TrialState.FAIL
+
+
 def test_an_incompatible_distribution_is_refused_as_optuna_refuses_it(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     optuna.create_study(study_name="s", storage=open_storage(url)).optimize(lambda t: len(suggest_all(t)), n_trials=1)
