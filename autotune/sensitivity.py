@@ -6,7 +6,6 @@ change what a dtype costs (the MNIST net's first conv measures up to 3x slower i
 speeds the whole net up by a fifth). `confirm_in_context` checks such verdicts against the whole model."""
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

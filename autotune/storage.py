@@ -132,8 +132,9 @@ class WriteBatchingStorage(RDBStorage):
         executemany for the params and one upsert for the attributes."""
         trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
         self.check_trial_is_updatable(trial_id, trial.state)
-        if params:   # the table, not the ORM class: a plain executemany, not SQLAlchemy's ORM bulk insert
-            session.execute(sqlalchemy.insert(models.TrialParamModel.__table__), self._param_rows(session, trial, params))
+        if params:   # into the table, not the ORM class: a plain executemany, not SQLAlchemy's ORM bulk insert
+            session.execute(sqlalchemy.insert(models.TrialParamModel.__table__),
+                            self._param_rows(session, trial, params))
         insert = _UPSERTS.get(self.engine.name)
         if attrs and insert is None:   # another database Optuna supports: its own upsert, one per attribute
             for key, value in attrs.items():
