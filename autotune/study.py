@@ -25,6 +25,7 @@ from autotune.plan import Plan, plan_key
 from autotune.storage import WriteBatchingStorage, open_storage, sqlite_path
 
 ATTR_PREFIX = "autotune."
+PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner._claim
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
@@ -98,8 +99,8 @@ def plan_holders(study: optuna.Study, key: str) -> dict[int, TrialState]:
     (a holder shows as running or as finished, never as neither), by a query where the storage can make one."""
     storage = _backend(study)
     if isinstance(storage, WriteBatchingStorage):
-        return storage.trials_with_user_attr(study._study_id, "plan_key", key)
-    return {t.number: t.state for t in study.get_trials(deepcopy=False) if t.user_attrs.get("plan_key") == key}
+        return storage.trials_with_user_attr(study._study_id, PLAN_KEY_ATTR, key)
+    return {t.number: t.state for t in study.get_trials(deepcopy=False) if t.user_attrs.get(PLAN_KEY_ATTR) == key}
 
 
 def _backend(study: optuna.Study) -> optuna.storages.BaseStorage:
@@ -113,10 +114,10 @@ def trial_plan(trial: FrozenTrial) -> Plan:
     return {name: str(dtype) for name, dtype in trial.params.items()}
 
 
-def _plan_key(trial: FrozenTrial) -> str:
+def trial_plan_key(trial: FrozenTrial) -> str:
     """The key of a trial's plan: the one its claim recorded (TrialRunner._claim; an evaluated trial has one), or
     made from its plan for a trial written before claims recorded it."""
-    return trial.user_attrs.get("plan_key") or plan_key(trial_plan(trial))
+    return trial.user_attrs.get(PLAN_KEY_ATTR) or plan_key(trial_plan(trial))
 
 
 def _evaluated(trial: FrozenTrial) -> bool:
@@ -151,9 +152,9 @@ def view_trials(study: optuna.Study) -> TrialsView:
         elif _evaluated(trial):
             evaluated += 1
             if trial.state == TrialState.COMPLETE:
-                finished.setdefault(_plan_key(trial), trial)
+                finished.setdefault(trial_plan_key(trial), trial)
             else:
-                failed.add(_plan_key(trial))
+                failed.add(trial_plan_key(trial))
     return TrialsView(finished, failed, waiting, evaluated)
 
 

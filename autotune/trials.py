@@ -106,7 +106,7 @@ class TrialRunner:
                     if key in self.outcomes or key in self.failed:
                         return
                 if not _running_elsewhere(holders, trial.number):
-                    trial.set_user_attr("plan_key", key)
+                    trial.set_user_attr(studies.PLAN_KEY_ATTR, key)
                     return
             time.sleep(CLAIM_POLL_S)
             fail_stale_trials(self.study)

@@ -107,7 +107,7 @@ def _verified_winner(runner: TrialRunner, config: TuningConfig) -> tuple[Plan, n
     fp32_plan = runner.space.expand({unit: "fp32" for unit in runner.space.choices})
     passing = studies.passing_trials(runner.study)
     uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
-    best_uniform = [t for t in passing if plan_key(studies.trial_plan(t)) in uniform][:1]
+    best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform][:1]
     finalists = {f"trial {t.number}": plan for t in passing[:3] + best_uniform
                  if not is_baseline(plan := studies.trial_plan(t))}
     models = {name: apply_plan(runner.fp32, plan, runner.calibration, runner.variants)
@@ -211,7 +211,6 @@ def search(runner: TrialRunner, started: float) -> None:
     """Runs trials until the budget (max_trials, timeout, patience) is spent; all processes share it."""
     _guided_then_sampled(runner, runner.config, started + (runner.config.timeout or math.inf))
     runner.run_queued()   # plans re-queued after a crash are retried even when the budget is spent
-
 
 
 @_fewer_collections()
