@@ -19,7 +19,8 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt constraints.txt pyp
 demo: install          ## tune the shipped MNIST CNN on real digits, SQLite study under studies/
 	$(PY) -m autotune.workloads.mnist
 
-test: install          ## the test suite
+test: install          ## lint, then the test suite
+	$(VENV)/bin/ruff check autotune tests benchmarks
 	$(PY) -m pytest -q tests
 
 sentiment: install     ## MiniLM encoder + sentiment head on human-rated movie sentences (prepares a data cache first)

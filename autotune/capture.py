@@ -1,12 +1,13 @@
 """Recording what a model and its modules are called with, so tuning can run them without the user's data."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from autotune.backends import CallInputs
+from autotune.backends.base import CallInputs
 from autotune.errors import EvalFunctionError
 from autotune.tree import map_tensors
 
@@ -85,3 +86,16 @@ def call(model: nn.Module, inputs: CallInputs) -> Any:
 
 def to_device(inputs: Any, device: torch.device) -> Any:
     return map_tensors(inputs, lambda t: t.to(device))
+
+
+def example_or_first_batch(model: nn.Module, eval_fn: Callable[[nn.Module], Any], example_inputs: Any,
+                           device: torch.device) -> CallInputs:
+    """`example_inputs` on `device` if given, else the first batch eval_fn feeds `model` (eval_fn is abandoned
+    right after it).
+
+    Raises:
+        EvalFunctionError: eval_fn never called the model.
+    """
+    if example_inputs is not None:
+        return to_device(as_call_inputs(example_inputs), device)
+    return run_capturing(model, eval_fn, stop_early=True)[1]

@@ -7,25 +7,27 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 import optuna
 import torch
 import yaml
 
-from autotune import study as studies
-from autotune.capture import as_call_inputs, record_module_inputs, run_capturing, to_device
+from autotune.capture import example_or_first_batch, record_module_inputs
 from autotune.clone import clone
-from autotune.config import DEFAULT_STORAGE, TuningConfig
+from autotune.config import DEFAULT_STORAGE, FileConfig, TuningConfig, load_config
+from autotune.discovery import search_candidates
 from autotune.errors import AutotuneError, PlanError
-from autotune.file_config import FileConfig, load_config
 from autotune.plan import Plan, apply_plan, summarize, validate_plan
 from autotune.result import table
-from autotune.storage import open_storage, sqlite_path
-from autotune.tuner import finish, search, search_candidates, start_runner, study_name_for
+from autotune.search.trials import TrialCallback
+from autotune.storage import study as studies
+from autotune.storage.rdb import open_storage, sqlite_path
+from autotune.tuner import finish, search, start_runner, study_name_for
 
 storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
 
@@ -81,40 +83,30 @@ def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str,
     return name, len(studies.evaluated_trials(optuna.load_study(study_name=name, storage=storage)))
 
 
-class _TrialProgress(logging.Handler):
-    """Advances a progress bar on each evaluated trial the tuner logs (passed, missed or failed)."""
-
-    def __init__(self, bar):
-        super().__init__(logging.INFO)
-        self.bar = bar
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith("trial %d"):
-            self.bar.update(1)
-
-
 @contextmanager
-def progress(total: int, done: int, verbose: bool) -> Iterator[None]:
-    """A progress bar with ETA over evaluated trials, or with `verbose` the tuner's log lines instead."""
-    logger = logging.getLogger("autotune")
-    level = logger.level
-    with ExitStack() as stack:
-        if verbose:
-            handler: logging.Handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(message)s"))
-        else:
-            # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
-            label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
-            bar = stack.enter_context(click.progressbar(length=max(total - done, 1), label=label, show_eta=True,
-                                                        show_pos=True))
-            handler = _TrialProgress(bar)
+def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallback]]:
+    """Trial callbacks showing progress: a bar with ETA over evaluated trials, or with `verbose` the tuner's log
+    lines instead."""
+    if verbose:
+        logger = logging.getLogger("autotune")
+        level = logger.level
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         try:
-            yield
+            yield []
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)
+        return
+    # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
+    label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
+    with click.progressbar(length=max(total - done, 1), label=label, show_eta=True, show_pos=True) as bar:
+        def advance(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if trial.user_attrs.get("evaluated"):
+                bar.update(1)
+        yield [advance]
 
 
 @main.command()
@@ -143,14 +135,14 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         click.echo(f"worker {os.getpid()}: {runner.eval_calls} eval_fn calls")
         return
     name, done = evaluated_so_far(model, tuning)
-    click.echo(f"study {name!r} in {tuning.storage}: " + (f"resuming after {done} evaluated trials" if done
-                                                           else "new") + (f"; {workers} workers" if workers > 1 else ""))
+    state = f"resuming after {done} evaluated trials" if done else "new"
+    click.echo(f"study {name!r} in {tuning.storage}: {state}" + (f"; {workers} workers" if workers > 1 else ""))
     command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
                "--study-name", name]
     helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
     try:
-        with progress(tuning.max_trials, done, verbose):
-            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs())
+        with progress(tuning.max_trials, done, verbose) as callbacks:
+            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), callbacks=callbacks)
             search(runner, started)
         failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
     finally:
@@ -234,11 +226,8 @@ def read_plan(path: str) -> Plan:
 
 def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
     """The config's example inputs, else the first batch its eval_fn feeds the model."""
-    device = torch.device(config.tuning.device)
-    example = config.build_example_inputs()
-    if example is not None:
-        return to_device(as_call_inputs(example), device)
-    return run_capturing(clone(model), config.evaluation.build(), stop_early=True)[1]
+    return example_or_first_batch(clone(model), config.evaluation.build(), config.build_example_inputs(),
+                                  torch.device(config.tuning.device))
 
 
 @main.command(name="apply")

@@ -1,7 +1,7 @@
 """Deep copies of modules, made faster than `copy.deepcopy` where a module copies the plain way.
 
 `copy.deepcopy` of a module goes through the pickle protocol for each of its dozen hook dictionaries, which are
-nearly always empty: ~90 us per module, so a trial's model at 500 modules cost ~45 ms. `clone` makes the same copy
+nearly always empty, and that is most of what a trial's model copy costs. `clone` makes the same copy
 (the state `Module.__getstate__` gives, deep-copied, set as `Module.__setstate__` sets it) but makes empty
 containers directly. A module whose class copies or pickles itself its own way is handed to `copy.deepcopy`.
 """

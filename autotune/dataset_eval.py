@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -10,13 +11,26 @@ from torch import nn
 
 from autotune.errors import ConfigError
 
-if TYPE_CHECKING:
-    from autotune.file_config import Evaluation
+
+class DatasetSpec(Protocol):
+    files: list[str]
+    file_format: str
+
+
+class EvaluationSpec(Protocol):
+    """What the evaluator reads of a file config's `evaluation:` section (autotune.config.file.Evaluation)."""
+    dataset: DatasetSpec
+    inputs: str | list[str] | dict[str, str]
+    input_shape: list[int] | None
+    input_dtype: str
+    label: str
+    metric: str
+    batch_size: int
 
 _DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
-def load_columns(evaluation: "Evaluation") -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]:
+def load_columns(evaluation: EvaluationSpec) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]:
     """(positional inputs, keyword inputs, labels) as whole-dataset tensors, read once."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read before `datasets` is first imported
     import datasets
@@ -96,7 +110,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def dataset_eval(evaluation: "Evaluation") -> Callable[[nn.Module], float]:
+def dataset_eval(evaluation: EvaluationSpec) -> Callable[[nn.Module], float]:
     """An eval_fn scoring a model over the whole dataset in batches of `batch_size`."""
     args, kwargs, labels = load_columns(evaluation)
     size, step = len(labels), evaluation.batch_size

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
-from autotune.config import MixedPrecisionConfig
+from autotune.backends import get_backend
+from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
 from autotune.errors import ConfigError, NoTunableModulesError
 
 
@@ -71,4 +73,25 @@ def qkv_groups(candidates: dict[str, list[str]]) -> list[list[str]]:
             if all(member in candidates for member in members):
                 groups.append(members)
                 break
+    return groups
+
+
+def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[str]]:
+    """Tunable modules and the dtypes the configured device supports for each (speed is measured later).
+
+    Raises:
+        ConfigError: an include / exclude pattern matches no module.
+        NoTunableModulesError: no module is left to tune.
+    """
+    device = torch.device(config.device)
+    return {name: [d for d in dtypes if get_backend(d).supports(model.get_submodule(name), device)]
+            for name, dtypes in tunable_modules(model, config.config_set).items()}
+
+
+def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> list[list[str]]:
+    """The user's groups, plus q/k/v groups (if enabled) of modules no user group holds."""
+    groups = [list(group) for group in config.groups]
+    if config.group_qkv:
+        taken = {name for group in groups for name in group}
+        groups += [group for group in qkv_groups(candidates) if not taken.intersection(group)]
     return groups

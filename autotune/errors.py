@@ -14,7 +14,8 @@ class ConfigError(AutotuneError, ValueError):
         self.errors = errors or []
 
     @classmethod
-    def from_validation(cls, exc, model_name: str) -> "ConfigError":
+    def from_validation(cls, exc, model_name: str) -> ConfigError:
+        """From a pydantic ValidationError: one (dotted field path, message) pair per error."""
         errors = []
         for err in exc.errors():
             path = ".".join(str(part) for part in err["loc"]) or model_name

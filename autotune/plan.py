@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from autotune.backends import CallInputs, dtype_of, get_backend
+from autotune.backends import CallInputs, dtype_names, dtype_of, get_backend
 from autotune.clone import clone
 from autotune.errors import PlanError
 
@@ -25,8 +25,11 @@ def is_baseline(plan: Plan) -> bool:
 
 
 def summarize(plan: Plan) -> str:
+    """`int8×2 fp32×1`: how many modules take each dtype, lowered dtypes first (in registration order)."""
     counts = Counter(plan.values())
-    return " ".join(f"{dtype}×{counts[dtype]}" for dtype in ("int8", "bf16", "fp16", "fp32") if counts[dtype])
+    order = [d for d in dtype_names() if d != "fp32"] + ["fp32"]
+    order += sorted(set(counts) - set(order))
+    return " ".join(f"{dtype}×{counts[dtype]}" for dtype in order if counts[dtype])
 
 
 def uniform_plan(candidates: dict[str, list[str]], dtype: str) -> Plan:
@@ -35,6 +38,11 @@ def uniform_plan(candidates: dict[str, list[str]], dtype: str) -> Plan:
 
 
 def validate_plan(plan: Plan, candidates: dict[str, list[str]]) -> None:
+    """Checks a plan against the tunable modules and their dtypes (discovery.search_candidates).
+
+    Raises:
+        PlanError: naming the unknown modules, or the modules given dtypes they cannot take.
+    """
     unknown = sorted(set(plan) - set(candidates))
     if unknown:
         raise PlanError(f"plan names modules that are not tunable in this model: {unknown[:10]}"
@@ -61,11 +69,22 @@ def lower_module(module: nn.Module, dtype: str, calibration: CallInputs | None) 
 
 def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] | None = None,
                variants: dict[tuple[str, str], nn.Module] | None = None) -> nn.Module:
-    """A copy of `model` with each module of `plan` in its dtype. `calibration` feeds static int8.
+    """A copy of `model` with each module of `plan` in its dtype; `model` is left as it was.
 
     The lowered modules are handed to the copy as the copies of the modules they replace, so the fp32 weights of
-    those modules are never copied. `variants`, kept across calls, holds each (module, dtype) lowered once; a
-    plan gets deep copies of them (int8 copies share their packed weights, which nothing changes in place).
+    those modules are never copied.
+
+    Args:
+        model: the fp32 model.
+        plan: {module name: dtype name}; modules it does not name stay as they are.
+        calibration: {module name: the inputs it was called with}, for techniques that calibrate (static int8).
+        variants: kept across calls, holds each (module, dtype) lowered once; a plan gets deep copies of them
+            (int8 copies share their packed weights, which nothing changes in place).
+    Returns:
+        The new model, in eval mode.
+    Raises:
+        PlanError: the plan names a module the model lacks, or a dtype no technique takes the module in.
+        KeyError: the plan names a dtype no technique is registered under.
     """
     lowered: dict[int, nn.Module] = {}
     for name, dtype in plan.items():
@@ -85,7 +104,14 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
 
 
 def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:
-    """The plan a model built by apply_plan holds, read back from the module types at `names`."""
+    """The plan a model built by apply_plan holds, read back from the techniques its modules carry.
+
+    Args:
+        model: a model apply_plan built (modules no technique built count as fp32).
+        names: the module names to read.
+    Raises:
+        PlanError: the model has no module of one of the names.
+    """
     modules = dict(model.named_modules(remove_duplicate=False))   # one walk, not one get_submodule per name
     names = list(names)
     missing = [name for name in names if name not in modules]

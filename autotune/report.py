@@ -8,8 +8,8 @@ import io
 import optuna
 from optuna.trial import FrozenTrial
 
-from autotune import study as studies
 from autotune.plan import summarize
+from autotune.storage import study as studies
 
 
 def pareto_front(trials: list[FrozenTrial]) -> list[FrozenTrial]:
@@ -75,7 +75,8 @@ def html_report(study: optuna.Study) -> str:
              for name, dtype in best["plan"].items()]))
     else:
         parts.append("<p>No best plan recorded yet: the tuning run has not finished.</p>")
-    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 8px}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>autotune {html.escape(study.study_name)}"
             f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import optuna
 from torch import nn
 
-from autotune.measure import LatencyStats
+from autotune.measure.latency import LatencyStats
 from autotune.plan import Plan, summarize
 
 

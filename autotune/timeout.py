@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from autotune.errors import EvalTimeoutError
 

@@ -1,7 +1,8 @@
 """Walking the nested containers (tuples, lists, dicts, model-output dicts) that models take and return."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -63,7 +63,8 @@ def _row(workload: str, found, speedup: float, accuracy: float, baseline: float,
 def run_sim(workload: str, n: int, quick: bool) -> list[dict]:
     from simulator import SimWorkload, plan_of
     from strategies import Found, best_uniform, random_search, run_autotune
-    from autotune.tuner import search_candidates
+
+    from autotune.discovery import search_candidates
 
     sim = SimWorkload(n, tolerable_loss=TOLERANCE, eval_cost_s=0.05 if quick else SIM_EVAL_S)
     fp32 = sim.model()
@@ -107,13 +108,14 @@ def _real_workload(workload: str, quick: bool):
 
 def run_real(workload: str, quick: bool) -> list[dict]:
     import copy
-    from autotune import study as studies
-    from autotune.capture import as_call_inputs, record_module_inputs
-    from autotune.measure import measure_latency
-    from autotune.search import SearchSpace
-    from autotune.signals import DeviceMeasurer
-    from autotune.tuner import module_groups, search_candidates
+
     from strategies import Found, best_uniform, exhaustive, random_search, run_autotune
+
+    from autotune.capture import as_call_inputs, record_module_inputs
+    from autotune.discovery import module_groups, search_candidates
+    from autotune.measure import DeviceMeasurer, measure_latency
+    from autotune.search import SearchSpace
+    from autotune.storage import study as studies
 
     fp32, eval_fn, example, dtypes, max_trials, description = _real_workload(workload, quick)
     fp32 = fp32.eval()
@@ -239,7 +241,8 @@ def table(rows: list[dict]) -> tuple[str, list[str]]:
             overhead = ""
             if "overhead_share" in r:
                 trials = max(r["eval_calls"], 1)
-                overhead = (f"{100 * r['overhead_share']:.1f} % ({r['overhead_s']:.1f} s = {r['overhead_s'] / trials:.2f}"
+                per_call = r['overhead_s'] / trials
+                overhead = (f"{100 * r['overhead_share']:.1f} % ({r['overhead_s']:.1f} s = {per_call:.2f}"
                             f" s/eval call; apply_plan {r['apply_plan_s']:.1f} s, knapsack {r['knapsack_s']:.1f} s, "
                             f"rest Optuna/SQLite/copies)")
             speed = f"{r['speedup']:.3f}x" + (f" ± {r['latency_iqr_ms'] / r['latency_ms'] * r['speedup']:.3f}"

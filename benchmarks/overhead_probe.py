@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/overhead_probe.py [--sizes 50,200,500] [--max-trials 40]
 
-The in-memory run monkeypatches autotune.study.open_storage to return optuna's InMemoryStorage (the tuner's code
+The in-memory run monkeypatches autotune.tuner.open_storage to return optuna's InMemoryStorage (the tuner's code
 is unchanged), to show how much of the per-trial overhead is the SQLite storage. Prints seconds outside eval_fn
 and measurement, per eval_fn call.
 """
@@ -17,14 +17,13 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 import optuna  # noqa: E402
-
 from simulator import SimWorkload  # noqa: E402
 from strategies import run_autotune  # noqa: E402
 
 
 def probe(n: int, storage: str, max_trials: int) -> dict:
     from autotune import MixedPrecisionConfig, TuningConfig
-    from autotune import study as studies
+    from autotune.storage import study as studies
 
     sim = SimWorkload(n, eval_cost_s=0.0)
     original = studies.open_storage

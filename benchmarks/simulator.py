@@ -31,7 +31,7 @@ from torch import nn
 
 from autotune.measure import LatencyStats
 from autotune.plan import plan_of as read_plan
-from autotune.search import min_cost_choice
+from autotune.search.knapsack import min_cost_choice
 
 DTYPES = ("int8", "bf16", "fp32")
 WIDTH = 4
@@ -125,10 +125,10 @@ class SimWorkload:
             time.sleep(self.eval_cost_s)
         return self.accuracy(plan)
 
-    def measurer(self, seed: int | None = None) -> "SimMeasurer":
+    def measurer(self, seed: int | None = None) -> SimMeasurer:
         return SimMeasurer(self, seed=self.seed + 1 if seed is None else seed)
 
-    def oracle(self, bins: int | None = None) -> "OracleResult":
+    def oracle(self, bins: int | None = None) -> OracleResult:
         return oracle(self, bins)
 
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from torch import nn
 
 from autotune.config import TuningConfig
 from autotune.plan import Plan, apply_plan, is_baseline, plan_key, plan_of, uniform_plan
-
 
 
 class Stopwatch:
@@ -114,13 +114,15 @@ def run_autotune(model: nn.Module, config: TuningConfig, eval_fn: Callable, exam
                  measurer) -> tuple[Found, Any, CountingEval]:
     """autotune() instrumented: eval_fn and measurer timed, apply_plan and the knapsack timed separately."""
     from autotune import autotune
-    from autotune import search as search_mod, trials as trials_mod, tuner as tuner_mod
-    from autotune.tuner import search_candidates
+    from autotune.discovery import search_candidates
+    from autotune.search import space as search_mod
+    from autotune.search import trials as trials_mod
+    from autotune.search import winner as winner_mod
 
     names = list(search_candidates(model, config))
     counted = CountingEval(eval_fn, names)
     timed = TimedMeasurer(measurer)
-    apply_timer = _Timer([(trials_mod, "apply_plan"), (tuner_mod, "apply_plan")])
+    apply_timer = _Timer([(trials_mod, "apply_plan"), (winner_mod, "apply_plan")])
     search_timer = _Timer([(search_mod.SearchSpace, "knapsack_plan")])
     started = time.perf_counter()
     with apply_timer, search_timer:

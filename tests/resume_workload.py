@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 WIDTH, ROWS, BLOCKS = 1024, 512, 5

@@ -12,12 +12,14 @@ from click.testing import CliRunner
 from torch import nn
 
 from autotune.backends.cast import CastWrapper
-from autotune.backends.int8 import DynamicInt8Linear, StaticInt8Conv2d
+from autotune.backends.int8_conv import StaticInt8Conv2d
+from autotune.backends.int8_linear import DynamicInt8Linear
 from autotune.cli import main
+from autotune.config.file import load_config
 from autotune.dataset_eval import macro_f1, score
 from autotune.errors import ConfigError
-from autotune.file_config import load_config
-from autotune.workloads.mnist import accuracy_eval, digits, model as mnist_model
+from autotune.workloads.mnist import accuracy_eval, digits
+from autotune.workloads.mnist import model as mnist_model
 
 SHIPPED = Path(__file__).parent.parent / "configs" / "mnist.yaml"
 

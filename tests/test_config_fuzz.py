@@ -13,15 +13,20 @@ from __future__ import annotations
 import decimal
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from autotune.config import DTYPES, MixedPrecisionConfig, TuningConfig
+from autotune.backends import dtype_names
+from autotune.config import MixedPrecisionConfig, TuningConfig
+from autotune.config.file import FileConfig, load_config
 from autotune.errors import ConfigError
-from autotune.file_config import FileConfig, load_config
+
+DTYPES = tuple(dtype_names())
 
 SHIPPED = Path(__file__).parent.parent / "configs" / "mnist.yaml"
 FIELDS = sorted(TuningConfig.model_fields)                 # read here, so fields added later are fuzzed too

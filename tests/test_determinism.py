@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.study import trial_plan
+from autotune.storage.study import trial_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulator import SimWorkload  # noqa: E402

@@ -16,13 +16,13 @@ import warnings
 from pathlib import Path
 
 import optuna
+import resume_workload
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
-
-import resume_workload
-from autotune.plan import plan_key
-from autotune.study import evaluated_trials, trial_plan
 from test_resume_kill import cli_env, run_to_end, tune_command
+
+from autotune.plan import plan_key
+from autotune.storage.study import evaluated_trials, trial_plan
 
 KILLS = 20
 MAX_TRIALS = 10

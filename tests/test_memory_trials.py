@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.backends.int8 import DynamicInt8Linear
-from autotune.signals import DeviceMeasurer
-from autotune.study import evaluated_trials
-from autotune.tuner import EXHAUSTIVE_LIMIT
+from autotune.backends.int8_linear import DynamicInt8Linear
+from autotune.measure import DeviceMeasurer
+from autotune.search import EXHAUSTIVE_LIMIT
+from autotune.storage.study import evaluated_trials
 
 LAYERS = 8      # int8 or fp32 on each: 2**8 = 256 plans (255 besides the fp32 baseline)
 WIDTH = 512

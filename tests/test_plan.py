@@ -1,10 +1,10 @@
 import pytest
 import torch
+from conftest import assert_state_equal, state_snapshot
 from torch import nn
 
 from autotune import PlanError, apply_plan
 from autotune.plan import plan_key, plan_of, summarize, validate_plan
-from conftest import assert_state_equal, state_snapshot
 
 
 def test_apply_plan_builds_a_new_model_and_leaves_the_original_bit_identical():

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-from optuna.trial import TrialState
-
 import resume_workload
+from optuna.trial import TrialState
 
 TESTS_DIR = Path(__file__).parent
 WAIT_S = 120

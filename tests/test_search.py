@@ -1,6 +1,7 @@
 import math
 
-from autotune.search import SearchSpace, guided_search
+from autotune.search.guided import guided_search
+from autotune.search.space import SearchSpace
 
 
 def space(n, sensitive=()):
@@ -54,6 +55,7 @@ def test_groups_make_one_unit_that_shares_a_dtype():
 
 def test_a_group_naming_an_unknown_or_doubly_grouped_module_is_a_config_error():
     import pytest
+
     from autotune.errors import ConfigError
     candidates = {"a": ["int8", "fp32"], "b": ["int8", "fp32"]}
     signals = {n: {"fp32": 0.0, "int8": 0.1} for n in candidates}
@@ -110,7 +112,7 @@ def test_a_uniform_plan_predicted_no_slower_is_tried_even_when_the_fastest_passe
 
 def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
     from autotune.plan import plan_key
-    from autotune.search import exhaustive_order
+    from autotune.search.guided import exhaustive_order
     s = space(3)
     plans = exhaustive_order(s)
     assert len({plan_key(p) for p in plans}) == len(plans) == s.size - 1     # all-fp32 is the baseline
@@ -121,7 +123,8 @@ def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
 def test_min_cost_choice_matches_brute_force_on_random_instances():
     import itertools
     import random
-    from autotune.search import min_cost_choice
+
+    from autotune.search.knapsack import min_cost_choice
     rng = random.Random(0)
     for _ in range(30):
         items = rng.randint(1, 5)
@@ -136,7 +139,7 @@ def test_min_cost_choice_matches_brute_force_on_random_instances():
 
 
 def test_min_cost_choice_takes_the_first_of_options_that_tie():
-    from autotune.search import min_cost_choice
+    from autotune.search.knapsack import min_cost_choice
     assert min_cost_choice([[1.0, 1.0]], [[0, 0]], 4) == [0]
     assert min_cost_choice([[2.0, 1.0, 1.0], [1.0, 1.0]], [[0, 1, 1], [0, 0]], 1) == [1, 0]
     assert min_cost_choice([[2.0, 1.0]], [[0, 5]], 4) == [0]       # the cheaper option does not fit

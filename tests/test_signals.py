@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autotune import sensitivity
-from autotune.measure import LatencyStats
+from autotune.measure import LatencyStats, module_latency
 from autotune.search import SearchSpace
 
 CANDIDATES = {"0": ["int8", "fp32"], "2": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
@@ -30,10 +29,10 @@ def confirm(monkeypatch, whole_model_ms: dict[str, float]) -> tuple[dict, list[l
         timed.append(sorted(models))
         return {key: LatencyStats(whole_model_ms[key], 0.0, 5) for key in models}
 
-    monkeypatch.setattr(sensitivity, "measure_latency", fake_measure)
+    monkeypatch.setattr(module_latency, "measure_latency", fake_measure)
     net, inputs = model(), ((torch.randn(4, 8),), {})
     calibration = {name: ((torch.randn(4, 8),), {}) for name in CANDIDATES}
-    latency = sensitivity.confirm_in_context(net, CANDIDATES, ALONE_MS, inputs, calibration, warmup=1, repeats=3,
+    latency = module_latency.confirm_in_context(net, CANDIDATES, ALONE_MS, inputs, calibration, warmup=1, repeats=3,
                                              num_threads=None, device=torch.device("cpu"))
     return latency, timed
 
@@ -61,7 +60,7 @@ def test_a_dtype_slower_alone_is_pruned_when_the_whole_model_in_it_is_not_faster
 
 def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
     agreeing = {"0": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
-    monkeypatch.setattr(sensitivity, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))
-    latency = sensitivity.confirm_in_context(model(), agreeing, ALONE_MS, ((torch.randn(4, 8),), {}), {},
+    monkeypatch.setattr(module_latency, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))
+    latency = module_latency.confirm_in_context(model(), agreeing, ALONE_MS, ((torch.randn(4, 8),), {}), {},
                                              warmup=1, repeats=3, num_threads=None, device=torch.device("cpu"))
     assert latency is ALONE_MS

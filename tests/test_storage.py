@@ -1,181 +1,39 @@
-"""The tuner's storage writes a trial's params in one transaction and stays a plain Optuna RDB storage."""
+"""The tuner's storage: Optuna's RDBStorage with SQLite set up for several workers, and the claim and lease
+tables that decide who runs what across processes."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import sqlite3
+import threading
+import time
 
 import optuna
 import pytest
 import sqlalchemy
 
-from autotune.storage import open_storage
-from autotune.study import plan_lock
+from autotune.storage.claims import PlanClaims, lease
+from autotune.storage.rdb import open_storage
 
-PARAMS = 100
 QUEUED = 60      # trials queued for WORKERS processes to pop at once
 WORKERS = 4
+KEYS = 40        # plans WORKERS processes claim at once
 
 
-def suggest_all(trial: optuna.Trial, choices=("int8", "bf16", "fp32")) -> dict[str, str]:
-    return {f"m{i}": trial.suggest_categorical(f"m{i}", list(choices)) for i in range(PARAMS)}
-
-
-def test_params_land_in_one_transaction_and_plain_optuna_reads_them(tmp_path):
+def test_sqlite_runs_in_wal_mode_with_normal_sync_a_minute_lock_wait_and_locks_as_transactions_begin(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     storage = open_storage(url)
-    commits = []
-    sqlalchemy.event.listen(storage.engine, "commit", lambda _connection: commits.append(1))
-    study = optuna.create_study(study_name="s", storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
-    suggested = {}
-
-    def objective(trial):
-        before = len(commits)
-        suggested[trial.number] = suggest_all(trial)
-        trial.set_user_attr("plan", suggested[trial.number])      # the pending params are written first
-        assert len(commits) - before < 10, f"{PARAMS} params should not take a commit each"
-        return 1.0
-
-    study.optimize(objective, n_trials=3)
-    reread = optuna.load_study(study_name="s", storage=url)    # Optuna's own storage, no autotune code
-    assert [t.params for t in reread.trials] == [suggested[n] for n in range(3)]
-    assert all(t.distributions["m0"] == optuna.distributions.CategoricalDistribution(["int8", "bf16", "fp32"])
-               for t in reread.trials)
-
-
-def test_a_running_trials_writes_reach_other_processes_when_the_plan_lock_is_released(tmp_path):
-    url = f"sqlite:///{tmp_path}/s.db"
-    study = optuna.create_study(study_name="s", storage=open_storage(url))
-    seen = {}
-
-    def objective(trial):
-        with plan_lock(url, study):
-            plan = suggest_all(trial)
-            trial.set_user_attr("plan_key", "claimed")
-            held = optuna.load_study(study_name="s", storage=url).trials[trial.number]
-            assert "plan_key" not in held.user_attrs       # batched, not yet written
-        other = optuna.load_study(study_name="s", storage=url).trials[trial.number]
-        seen.update(params=other.params, attrs=other.user_attrs, state=other.state)
-        return float(len(plan))
-
-    study.optimize(objective, n_trials=1)
-    assert len(seen["params"]) == PARAMS
-    assert seen["attrs"] == {"plan_key": "claimed"}
-    assert seen["state"] == optuna.trial.TrialState.RUNNING
-
-
-@pytest.mark.parametrize("dialect_upsert", [True, False], ids=["upsert", "optuna-per-attribute"])
-def test_a_trials_attributes_are_written_in_one_transaction_and_read_back_by_plain_optuna(tmp_path, monkeypatch,
-                                                                                          dialect_upsert):
-    if not dialect_upsert:   # a database without a known upsert (e.g. MySQL) takes Optuna's write per attribute
-        monkeypatch.setattr("autotune.storage._UPSERTS", {})
-    url = f"sqlite:///{tmp_path}/s.db"
-    storage = open_storage(url)
-    writes = []
-    sqlalchemy.event.listen(storage.engine, "before_cursor_execute",
-                            lambda _c, _cursor, statement, *_: writes.append(statement)
-                            if statement.startswith("INSERT INTO trial_user_attributes") else None)
-    study = optuna.create_study(study_name="s", storage=storage)
-    attrs = {"accuracy": 0.91, "passed": True, "plan": {"a": "int8"}, "summary": "int8×1", "n": None}
-
-    def objective(trial):
-        before = len(writes)
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        trial.set_user_attr("accuracy", 0.92)                    # the last value written wins
-        storage.flush()
-        if dialect_upsert:
-            assert len(writes) - before == 1, "one statement for all of a trial's attributes"
-        return 1.0
-
-    study.optimize(objective, n_trials=2)
-    assert [t.user_attrs for t in optuna.load_study(study_name="s", storage=url).trials] == \
-        [attrs | {"accuracy": 0.92}] * 2
-
-
-def test_reads_match_optunas_own_storage(tmp_path):
-    """The storage reads trials back with its own queries; Optuna's RDBStorage must read the same."""
-    url = f"sqlite:///{tmp_path}/s.db"
-    study = optuna.create_study(study_name="s", storage=open_storage(url), directions=["minimize", "minimize"])
-
-    def objective(trial):
-        suggest_all(trial)
-        trial.suggest_float("x", 0.1, 1.0, log=True)
-        trial.set_user_attr("plan", {"m0": "int8"})
-        trial.set_constraint("accuracy", -0.5)
-        if trial.number == 1:
-            raise ValueError("a failed trial keeps its params")
-        return float("inf") if trial.number == 2 else 1.5, -float(trial.number)
-
-    study.optimize(objective, n_trials=4, catch=(ValueError,))
-    study.enqueue_trial({"m0": "fp32"}, user_attrs={"source": "queued"})
-    ours = open_storage(url)
-    plain = optuna.storages.RDBStorage(url)
-    study_id = plain.get_study_id_from_name("s")
-    theirs = plain.get_all_trials(study_id)
-    assert len(theirs) == 5
-    assert ours.get_all_trials(study_id) == theirs
-    assert [ours.get_trial(t._trial_id) for t in theirs] == theirs
-    assert ours._get_trials(study_id, None, {theirs[1]._trial_id}, theirs[2]._trial_id) == [theirs[1], theirs[3],
-                                                                                          theirs[4]]
-
-
-def test_a_trial_this_process_runs_reads_back_from_one_query_as_optuna_reads_it(tmp_path):
-    url = f"sqlite:///{tmp_path}/s.db"
-    storage = open_storage(url, heartbeat_interval=None)    # trials asked for by hand: no heartbeat
-    study = optuna.create_study(study_name="s", storage=storage)
-    plain = optuna.storages.RDBStorage(url)      # another process's view: Optuna's own storage
-    selects = []
-    sqlalchemy.event.listen(storage.engine, "before_cursor_execute",
-                            lambda *args: selects.append(1) if args[2].lstrip().startswith("SELECT") else None)
-
-    def read_both(trial_id: int) -> tuple[optuna.trial.FrozenTrial, optuna.trial.FrozenTrial, int]:
-        storage.flush()
-        before = len(selects)
-        ours = storage.get_trial(trial_id)
-        return ours, plain.get_trial(trial_id), len(selects) - before
-
-    study.enqueue_trial({"m0": "fp32"}, user_attrs={"source": "queued"})
-    for trial in (study.ask(), study.ask()):      # a queued trial taken, then a new one
-        suggest_all(trial)
-        trial.suggest_float("x", 0.1, 1.0, log=True)
-        trial.set_user_attr("plan", {"m0": ("int8",)})    # a tuple reads back as a list, as from the database
-        trial.set_constraint("accuracy", -0.5)
-        trial.report(0.25, step=3)
-        ours, theirs, queries = read_both(trial._trial_id)
-        assert ours == theirs and ours.params["m0"] in ("int8", "bf16", "fp32")
-        assert ours.user_attrs["plan"] == {"m0": ["int8"]} and ours.intermediate_values == {3: 0.25}
-        assert queries == 1, "a running trial of this process is read from its row alone"
-    plain.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)     # another process fails it
-    ours, theirs, _ = read_both(trial._trial_id)
-    assert ours == theirs and ours.state == optuna.trial.TrialState.FAIL
-
-
-def test_an_incompatible_distribution_is_refused_as_optuna_refuses_it(tmp_path):
-    url = f"sqlite:///{tmp_path}/s.db"
-    optuna.create_study(study_name="s", storage=open_storage(url)).optimize(lambda t: len(suggest_all(t)), n_trials=1)
-    study = optuna.load_study(study_name="s", storage=open_storage(url))  # a fresh process: nothing cached
-
-    def objective(trial):
-        suggest_all(trial, choices=("int8", "fp16"))
-        with plan_lock(url, study):     # the tuner's claim: pending writes go out as the lock is released
-            trial.set_user_attr("plan", "x")
-        return 0.0
-
-    with pytest.raises(ValueError, match="does not support dynamic value space"):
-        study.optimize(objective, n_trials=1)
-    refused = optuna.load_study(study_name="s", storage=url).trials[1]
-    assert refused.params == {} and refused.user_attrs == {}
-
-
-def test_choices_optuna_counts_as_equal_are_stored_as_each_trial_wrote_them(tmp_path):
-    """1, 1.0 and True compare equal, so Optuna accepts each after the other; each trial keeps its own JSON."""
-    url = f"sqlite:///{tmp_path}/s.db"
-    study = optuna.create_study(study_name="s", storage=open_storage(url))
-    choice_sets = [(1, 2), (True, 2), (1.0, 2)]
-    for choices in choice_sets:
-        study.optimize(lambda trial, c=choices: float(trial.suggest_categorical("x", list(c)) is c[0]), n_trials=1)
-    reread = optuna.load_study(study_name="s", storage=url).trials   # Optuna's own storage reads them back
-    assert [[(type(c), c) for c in t.distributions["x"].choices] for t in reread] == \
-        [[(type(c), c) for c in choices] for choices in choice_sets]
+    optuna.create_study(study_name="s", storage=storage)
+    with storage.engine.connect() as connection:
+        pragma = lambda name: connection.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
+        assert (pragma("journal_mode"), pragma("synchronous"), pragma("busy_timeout")) == ("wal", 1, 60000)
+    with storage.engine.begin() as connection:     # holds the write lock from BEGIN, before any write
+        connection.exec_driver_sql("SELECT 1")
+        other = sqlite3.connect(tmp_path / "s.db", timeout=0.1)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")
+        other.close()
 
 
 def _pop_all(url: str) -> list[int]:
@@ -197,22 +55,95 @@ def test_concurrent_workers_never_pop_the_same_queued_trial(tmp_path):
     assert len(popped) == QUEUED
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
-def test_plan_holders_come_from_one_query_and_match_a_scan_of_the_trials(tmp_path):
-    from autotune.study import plan_holders
+def _study_with_trials(url: str, n: int) -> optuna.Study:
+    study = optuna.create_study(study_name="s", storage=open_storage(url, heartbeat_interval=None))
+    for _ in range(n):
+        study.ask()      # RUNNING trials, numbered 0..n-1
+    return study
+
+
+def test_a_plan_is_claimed_by_one_trial_and_moves_only_from_the_holder_named(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
-    study = optuna.create_study(study_name="s", storage=open_storage(url))
-    for key in ("a", "b", "a"):
-        trial = study.ask()
-        trial.set_user_attr("plan_key", key)
-        study.tell(trial, 1.0)
-    running = study.ask()
-    running.set_user_attr("plan_key", "b")
-    holders = plan_holders(study, "b")
-    assert holders == {1: optuna.trial.TrialState.COMPLETE, 3: optuna.trial.TrialState.RUNNING}
-    assert plan_holders(study, "a") == {0: optuna.trial.TrialState.COMPLETE, 2: optuna.trial.TrialState.COMPLETE}
-    assert plan_holders(study, "c") == {}
-    in_memory = optuna.create_study()
-    for trial in study.trials:
-        in_memory.add_trial(trial) if trial.state.is_finished() else None
-    assert plan_holders(in_memory, "a") == plan_holders(study, "a")
+    study = _study_with_trials(url, 3)
+    claims = PlanClaims(open_storage(url), "s")
+    assert claims.holder("plan-a") is None
+    assert claims.claim("plan-a", 0) == 0
+    assert claims.claim("plan-a", 1) == 0 and claims.holder("plan-a") == 0
+    assert claims.claim("plan-b", 1) == 1
+    assert not claims.take_over("plan-a", 1, 2), "trial 1 does not hold plan-a"
+    study.tell(0, state=optuna.trial.TrialState.FAIL)
+    assert claims.state_of(0) == optuna.trial.TrialState.FAIL
+    assert claims.take_over("plan-a", 0, 2) and claims.holder("plan-a") == 2
+    assert not claims.take_over("plan-a", 0, 1), "a plan moves once from a dead holder"
+    assert PlanClaims(open_storage(url), "s").holder("plan-a") == 2     # another process reads the same
+
+
+def _claim_all(url: str, number: int) -> dict[str, int]:
+    claims = PlanClaims(open_storage(url), "s")
+    return {f"plan-{k}": claims.claim(f"plan-{k}", number) for k in range(KEYS)}
+
+
+def test_processes_claiming_the_same_plans_at_once_agree_on_one_holder_each(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    _study_with_trials(url, WORKERS)
+    PlanClaims(open_storage(url), "s")     # the tables exist before the race, as after any study's first run
+    with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
+        seen = pool.starmap(_claim_all, [(url, number) for number in range(WORKERS)])
+    for key in seen[0]:
+        holders = {answers[key] for answers in seen}
+        assert len(holders) == 1, f"{key}: processes disagree about its holder: {holders}"
+    won = [sum(answers[key] == number for key in answers) for number, answers in enumerate(seen)]
+    assert sum(won) == KEYS
+
+
+def _hold_lease(url: str, ready, ttl_s: float) -> None:
+    with lease(open_storage(url), "s", "setup", ttl_s=ttl_s):
+        ready.set()
+        time.sleep(600)
+
+
+def test_a_lease_is_exclusive_renewed_while_held_and_freed_when_its_holder_dies(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    holder = context.Process(target=_hold_lease, args=(url, ready, 1.0))
+    holder.start()
+    entered = []
+
+    def take_lease():
+        with lease(open_storage(url), "s", "setup", ttl_s=1.0, poll_s=0.05):
+            entered.append(time.monotonic())
+
+    try:
+        assert ready.wait(60)
+        waiter = threading.Thread(target=take_lease, daemon=True)
+        waiter.start()
+        waiter.join(2.5)       # past the ttl: only the holder's renewals keep the lease
+        assert not entered, "a second holder entered a held lease"
+        killed = time.monotonic()
+        os.kill(holder.pid, signal.SIGKILL)
+        waiter.join(10)
+        assert entered and entered[0] - killed < 5, "the lease of a dead holder was not freed"
+    finally:
+        holder.kill()
+        holder.join()
+    storage = open_storage(url)
+    with lease(storage, "s", "setup", ttl_s=30, poll_s=0.05):      # released on exit: taken again at once
+        with storage.engine.connect() as connection:
+            assert connection.execute(sqlalchemy.text("SELECT COUNT(*) FROM autotune_leases")).scalar() == 1
+
+
+def test_a_trial_killed_before_its_heartbeat_started_is_failed_after_the_grace_period(tmp_path):
+    from autotune.search.trials import RUNNER_ATTR, fail_stale_trials
+    study = optuna.create_study(study_name="s", storage=open_storage(f"sqlite:///{tmp_path}/s.db",
+                                                                     heartbeat_interval=None))
+    orphan, live, requeued = study.ask(), study.ask(), study.ask()      # no heartbeat: as if killed at once
+    live.set_user_attr(RUNNER_ATTR, f"host:1:abc:{live.number}")
+    requeued.set_user_attr(RUNNER_ATTR, f"host:1:abc:{orphan.number}")   # a dead predecessor's mark
+    fail_stale_trials(study, grace_period=60)
+    assert {t.number for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))} == {0, 1, 2}
+    time.sleep(0.05)
+    fail_stale_trials(study, grace_period=0.01)
+    states = {t.number: t.state for t in study.trials}
+    assert states == {orphan.number: optuna.trial.TrialState.FAIL, live.number: optuna.trial.TrialState.RUNNING,
+                      requeued.number: optuna.trial.TrialState.FAIL}

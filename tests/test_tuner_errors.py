@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from autotune import (ConfigError, EvalFunctionError, MixedPrecisionConfig, NoTunableModulesError, TuningConfig,
-                      autotune)
+from autotune import ConfigError, EvalFunctionError, MixedPrecisionConfig, NoTunableModulesError, TuningConfig, autotune
 
 INPUTS = torch.randn(16, 32)
 

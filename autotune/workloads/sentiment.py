@@ -9,7 +9,8 @@ Each factory prepares the data cache on first use (see `python -m autotune.workl
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

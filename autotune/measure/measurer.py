@@ -13,11 +13,12 @@ import optuna
 import torch
 from torch import nn
 
-from autotune import study as studies
-from autotune.backends import CallInputs
-from autotune.config import TuningConfig
-from autotune.measure import LatencyStats, measure_latency
-from autotune.sensitivity import confirm_in_context, module_latency, module_sensitivity
+from autotune.backends.base import CallInputs
+from autotune.config.tuning import TuningConfig
+from autotune.measure.latency import LatencyStats, measure_latency
+from autotune.measure.module_latency import confirm_in_context, module_latency
+from autotune.measure.sensitivity import module_sensitivity
+from autotune.storage import study as studies
 
 PerModule = dict[str, dict[str, float]]
 

@@ -1,19 +1,20 @@
-"""Latency and weight size. Latencies are medians after warm-up, and variants compared are measured interleaved
+"""Latency. Latencies are medians after warm-up, and variants compared are measured interleaved
 in one run, so drift on a shared machine hits all of them alike."""
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
 
-from autotune.backends import CallInputs
+from autotune.backends.base import CallInputs
 from autotune.capture import call
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _stats(samples_s: list[float]) -> LatencyStats:
 
 def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
                     warmup: int = 3, repeats: int = 15, num_threads: int | None = None,
-                    device: torch.device = torch.device("cpu")) -> dict[str, LatencyStats]:
+                    device: torch.device = CPU) -> dict[str, LatencyStats]:
     """Times every model on its inputs (one shared input, or one per model), rounds interleaved."""
     per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -64,16 +65,3 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
                 sync()
                 samples[name].append(time.perf_counter() - start)
     return {name: _stats(times) for name, times in samples.items()}
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers; packed kernels report their own (`weight_nbytes`)."""
-    total = 0
-    for module in model.modules():
-        if hasattr(type(module), "weight_nbytes"):   # on the class: a miss on the module costs an exception
-            total += module.weight_nbytes()
-        # The dicts themselves: parameters(recurse=False) walks a generator per module, a third of the time here.
-        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
-            if tensor is not None:
-                total += tensor.nbytes
-    return total

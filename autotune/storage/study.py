@@ -6,26 +6,22 @@ are trial user attributes, so `optuna.load_study` reads them as is.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import tempfile
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import optuna
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.config import TuningConfig
+from autotune.config.tuning import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
-from autotune.storage import WriteBatchingStorage, open_storage, sqlite_path
 
 ATTR_PREFIX = "autotune."
-PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner._claim
+PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
@@ -36,7 +32,13 @@ def default_study_name(model_class: str, candidates: dict[str, list[str]], confi
     return f"{model_class}-{hashlib.sha1(space.encode()).hexdigest()[:10]}"
 
 
-def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list[str]]) -> optuna.Study:
+def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list[str]],
+               storage: BaseStorage) -> optuna.Study:
+    """Creates the study in `storage`, or loads it if it exists.
+
+    Raises:
+        StudyMismatchError: the existing study was made for another objective, other modules or dtypes.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -45,7 +47,6 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
         sampler = optuna.samplers.TPESampler(seed=config.seed, multivariate=True, group=True, n_startup_trials=5,
                                              constant_liar=True)
     directions = ["minimize"] if config.objective == "latency" else ["minimize", "minimize"]
-    storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
                                 directions=directions, load_if_exists=True)
     if len(study.directions) != len(directions):
@@ -69,44 +70,6 @@ def set_attr(study: optuna.Study, key: str, value: Any) -> None:
     study.set_user_attr(ATTR_PREFIX + key, value)
 
 
-@contextmanager
-def plan_lock(storage_url: str, study: optuna.Study) -> Iterator[None]:
-    """Serialises claims on plans among the processes of one machine that tune this study. What was written to
-    the study under the lock is committed before the lock is released, so the next holder reads it."""
-    path = sqlite_path(storage_url)
-    # A relative SQLite path names the same file from any working directory only once resolved.
-    identity = f"{path.resolve() if path is not None else storage_url}|{study.study_name}"
-    lock_dir = Path(tempfile.gettempdir()) / "autotune-locks"
-    lock_dir.mkdir(exist_ok=True)
-    with open(lock_dir / f"{hashlib.sha1(identity.encode()).hexdigest()}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-            flush_writes(study)
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def flush_writes(study: optuna.Study) -> None:
-    """Commits the trial writes the storage still holds (WriteBatchingStorage batches them)."""
-    storage = _backend(study)
-    if isinstance(storage, WriteBatchingStorage):
-        storage.flush()
-
-
-def plan_holders(study: optuna.Study, key: str) -> dict[int, TrialState]:
-    """{trial number: state} of the trials that claimed plan `key` (TrialRunner._claim), in one consistent read
-    (a holder shows as running or as finished, never as neither), by a query where the storage can make one."""
-    storage = _backend(study)
-    if isinstance(storage, WriteBatchingStorage):
-        return storage.trials_with_user_attr(study._study_id, PLAN_KEY_ATTR, key)
-    return {t.number: t.state for t in study.get_trials(deepcopy=False) if t.user_attrs.get(PLAN_KEY_ATTR) == key}
-
-
-def _backend(study: optuna.Study) -> optuna.storages.BaseStorage:
-    return getattr(study._storage, "_backend", study._storage)   # Optuna puts a cache in front of RDB storages
-
-
 def trial_plan(trial: FrozenTrial) -> Plan:
     """The per-module plan of a trial (its params name units: a group of modules is one param)."""
     if "plan" in trial.user_attrs:
@@ -115,7 +78,7 @@ def trial_plan(trial: FrozenTrial) -> Plan:
 
 
 def trial_plan_key(trial: FrozenTrial) -> str:
-    """The key of a trial's plan: the one its claim recorded (TrialRunner._claim; an evaluated trial has one), or
+    """The key of a trial's plan: the one its claim recorded (TrialRunner.claim; an evaluated trial has one), or
     made from its plan for a trial written before claims recorded it."""
     return trial.user_attrs.get(PLAN_KEY_ATTR) or plan_key(trial_plan(trial))
 
@@ -135,7 +98,7 @@ def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
 @dataclass(frozen=True)
 class TrialsView:
     """What the search needs to know of a study's trials, from one read of the storage (one consistent state).
-    Who holds a plan is asked of the storage directly: plan_holders."""
+    Who holds a plan is asked of the claims (storage.claims), not read from the trials."""
     finished: dict[str, FrozenTrial]  # plan key -> its first completed, evaluated trial: reused, not evaluated again
     failed: set[str]                  # plans whose eval_fn call failed (raised, timed out, no number): not again
     waiting: int                      # queued trials

@@ -1,36 +1,44 @@
 """Running plans as Optuna trials: claim, apply, evaluate, time against fp32 in the same run, record everything.
 
-Several processes may tune one study at once. Each plan is evaluated at most once across all of them: a trial
-claims its plan under a lock before evaluating, and a trial whose plan another process is running waits for
-that result and records it as a duplicate (no eval_fn call).
+Several processes, on one machine or many, may tune one study at once. Each plan is evaluated at most once
+across all of them: a trial claims its plan in the database before evaluating (storage.claims), and a trial
+whose plan another process is running waits for that result and records it as a duplicate (no eval_fn call).
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import numbers
+import os
+import socket
 import time
+import uuid
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 import torch
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 from torch import nn
 
-from autotune import study as studies
-from autotune.backends import CallInputs
-from autotune.config import TuningConfig
+from autotune.backends.base import CallInputs
+from autotune.config.tuning import TuningConfig
 from autotune.errors import EvalFunctionError
-from autotune.measure import weight_bytes
+from autotune.measure.measurer import Measurer
+from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
-from autotune.search import SearchSpace
-from autotune.signals import Measurer
+from autotune.search.space import SearchSpace
+from autotune.storage import study as studies
+from autotune.storage.claims import PlanClaims
 from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
 EvalFn = Callable[[nn.Module], Any]
+# Optuna's callback interface: called with (study, finished trial) after every trial this process runs.
+TrialCallback = Callable[[optuna.Study, FrozenTrial], None]
 CLAIM_POLL_S = 0.5
 
 
@@ -64,64 +72,91 @@ class Outcome:
         return self.loss - self.tolerable_loss
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
-    """Marks trials of dead processes FAILED (their plans are queued again by the retry callback)."""
+def fail_stale_trials(study: optuna.Study, grace_period: float) -> None:
+    """Marks trials of dead processes FAILED: those whose heartbeat stopped (Optuna's check; the retry callback
+    queues their plans again), and those older than `grace_period` that never reached the objective.
+
+    The second kind exists because Optuna starts a trial's heartbeat only after creating the trial: a process
+    killed in between leaves a RUNNING trial with no heartbeat, which Optuna's check never finds. A live trial
+    marks itself (RUNNER_ATTR) as the objective starts, within moments of its creation; it has no plan yet, so
+    nothing is queued again for it.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace_period)
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.datetime_start < cutoff and not _marked_by_its_runner(trial):
+            try:
+                study.tell(trial.number, state=TrialState.FAIL)
+            except (ValueError, RuntimeError):   # finished meanwhile: by its own process, or another worker's check
+                pass
 
 
-def _running_elsewhere(holders: dict[int, TrialState], own: int | None = None) -> bool:
-    """Whether a running trial other than `own` is among a plan's holders (studies.plan_holders)."""
-    return any(state == TrialState.RUNNING and number != own for number, state in holders.items())
+RUNNER_ATTR = "runner"   # "<host>:<pid>:<run>:<trial number>", the objective's first write
+
+
+def _marked_by_its_runner(trial: FrozenTrial) -> bool:
+    # A trial queued again after a crash arrives with its dead predecessor's mark, naming another number.
+    return str(trial.user_attrs.get(RUNNER_ATTR, "")).endswith(f":{trial.number}")
 
 
 class TrialRunner:
-    def __init__(self, study: optuna.Study, space: SearchSpace, fp32: nn.Module, eval_fn: EvalFn,
-                 inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
-                 config: TuningConfig, measurer: Measurer):
-        self.study, self.space, self.fp32, self.eval_fn = study, space, fp32, eval_fn
+    """Runs plans of one study as trials in this process, and knows every plan's outcome in the study."""
+
+    def __init__(self, study: optuna.Study, claims: PlanClaims, space: SearchSpace, fp32: nn.Module,
+                 eval_fn: EvalFn, inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
+                 config: TuningConfig, measurer: Measurer, callbacks: Sequence[TrialCallback] = ()):
+        self.study, self.claims, self.space, self.fp32, self.eval_fn = study, claims, space, fp32, eval_fn
         self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
         self.measurer = measurer
+        self.callbacks = [*callbacks, self._keep_last]
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}
         self.failed: set[str] = set()
         self.refresh()
         self.eval_calls = 0
-        self.last_was_duplicate = False
+        self._last: FrozenTrial | None = None
+        self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def _keep_last(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._last = trial
 
     def _values(self, outcome: Outcome) -> float | tuple[float, float]:
         return outcome.latency_ratio if self.config.objective == "latency" else (outcome.latency_ratio, outcome.loss)
 
-    def _claim(self, trial: optuna.Trial, key: str) -> None:
+    def claim(self, trial: optuna.Trial, key: str) -> None:
         """Returns once `key` is finished or failed somewhere, or claimed for `trial`; waits while another
         process runs it (a claim of a dead process ends when the heartbeat check fails its trial)."""
-        while True:
-            with studies.plan_lock(self.config.storage, self.study):
+        while key not in self.outcomes and key not in self.failed:
+            holder = self.claims.claim(key, trial.number)
+            if holder == trial.number:
+                trial.set_user_attr(studies.PLAN_KEY_ATTR, key)
+                return
+            if self.claims.state_of(holder).is_finished():
+                self.refresh()    # finished elsewhere since this runner last read the study
                 if key in self.outcomes or key in self.failed:
                     return
-                holders = studies.plan_holders(self.study, key)
-                if any(state.is_finished() for state in holders.values()):
-                    self.refresh()    # finished elsewhere since this runner last read the study
-                    if key in self.outcomes or key in self.failed:
-                        return
-                if not _running_elsewhere(holders, trial.number):
+                # Finished with no result: its process died mid-trial and the heartbeat check failed it.
+                if self.claims.take_over(key, holder, trial.number):
                     trial.set_user_attr(studies.PLAN_KEY_ATTR, key)
                     return
+                continue
             time.sleep(CLAIM_POLL_S)
-            fail_stale_trials(self.study)
+            fail_stale_trials(self.study, self.config.grace_period)
 
     def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        trial.set_user_attr(RUNNER_ATTR, f"{self._token}:{trial.number}")
         unit_plan = {unit: trial.suggest_categorical(unit, options) for unit, options in self.space.choices.items()}
         plan = self.space.expand(unit_plan)
         key = plan_key(plan)
         trial.set_user_attr("plan", plan)
-        self._claim(trial, key)
+        self.claim(trial, key)
         known = self.outcomes.get(key)
-        self.last_was_duplicate = known is not None or key in self.failed
+        duplicate = known is not None or key in self.failed
         # Set either way: a trial re-queued after a crash arrives with its stale trial's attributes.
-        trial.set_user_attr("evaluated", not self.last_was_duplicate)
-        if self.last_was_duplicate:   # spend no eval_fn call: tell the sampler the stored result
+        trial.set_user_attr("evaluated", not duplicate)
+        if duplicate:   # spend no eval_fn call: tell the sampler the stored result
             trial.set_user_attr("duplicate", True)
             if known is None:
                 raise TrialFailed("this plan failed in an earlier trial")
@@ -148,7 +183,7 @@ class TrialRunner:
                             ("fp32_latency_ms", timing["fp32"].median_ms), ("weight_bytes", weight_bytes(tuned)),
                             ("plan_summary", summarize(plan))):
             trial.set_user_attr(name, value)
-        if self.config.objective == "latency":   # after the attributes: its read writes them in one transaction
+        if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)
         self.outcomes[key] = outcome
         log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32 %s", trial.number,
@@ -156,8 +191,12 @@ class TrialRunner:
                  outcome.latency_ratio, "pass" if outcome.passed else "FAIL")
         return self._values(outcome)
 
-    def run_once(self) -> None:
-        self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,))
+    def run_once(self) -> FrozenTrial:
+        """Runs one trial (a queued plan, else one the sampler proposes); returns it as it finished."""
+        self._last = None
+        self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), callbacks=self.callbacks)
+        assert self._last is not None   # optimize calls the callbacks after every trial, failed ones too
+        return self._last
 
     def run_plan(self, unit_plan: Plan, source: str) -> Outcome | None:
         """The outcome of `unit_plan`, evaluating it only if no trial has it yet; None if its trial failed.
@@ -180,12 +219,13 @@ class TrialRunner:
                 continue
             # Our plan's trial is running elsewhere, or died: wait, then queue it again if nobody holds it.
             time.sleep(CLAIM_POLL_S)
-            fail_stale_trials(self.study)
+            fail_stale_trials(self.study, self.config.grace_period)
             queued = self.held_elsewhere(key)
 
     def held_elsewhere(self, key: str) -> bool:
-        """Whether a running trial has claimed plan `key`: one query for its holders, the study is not read."""
-        return _running_elsewhere(studies.plan_holders(self.study, key))
+        """Whether a running trial has claimed plan `key`, asked of the claims, not of the study's trials."""
+        holder = self.claims.holder(key)
+        return holder is not None and self.claims.state_of(holder) == TrialState.RUNNING
 
     def run_queued(self) -> None:
         """Runs the plans still queued (re-queued after a crash, or left by a stopped worker)."""

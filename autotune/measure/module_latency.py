@@ -1,53 +1,17 @@
-"""Cheap per-module signals, no eval_fn call: how much lowering one module alone disturbs the model's output,
-and how long the module itself takes in each dtype on the inputs it really sees (boundary casts included).
+"""A cheap per-module signal, no eval_fn call: how long each module takes in each dtype on the inputs it really
+sees (boundary casts included).
 
 A module timed alone can mislead: in the model, its output's layout, the next module and the allocator's state
-change what a dtype costs (the MNIST net's first conv measures up to 3x slower in int8 alone, yet lowering it
-speeds the whole net up by a fifth). `confirm_in_context` checks such verdicts against the whole model."""
+change what a dtype costs (README, "How it searches", has a measured case). `confirm_in_context` checks such
+verdicts against the whole model."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from autotune.backends import CallInputs
-from autotune.capture import call
-from autotune.clone import clone
-from autotune.measure import measure_latency
-from autotune.plan import apply_plan, lower_module, replace_module, uniform_plan
-from autotune.tree import float_tensors
-
-
-def _flat_output(output) -> torch.Tensor:
-    floats = float_tensors(output)
-    if not floats:
-        raise TypeError("the model returned no floating tensor to compare")
-    return torch.cat([t.detach().float().flatten() for t in floats])
-
-
-def output_error(reference: torch.Tensor, output) -> float:
-    """Relative L2 error of a model output against the fp32 reference (nan/inf counts as total loss)."""
-    flat = _flat_output(output)
-    error = ((flat - reference).norm() / reference.norm().clamp(min=1e-12)).item()
-    return error if error == error and error != float("inf") else float("inf")
-
-
-def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
-                       calibration: dict[str, CallInputs]) -> dict[str, dict[str, float]]:
-    """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition."""
-    work = clone(model).eval()
-    with torch.inference_mode():
-        reference = _flat_output(call(work, inputs))
-        errors: dict[str, dict[str, float]] = {}
-        for name, dtypes in candidates.items():
-            original = work.get_submodule(name)
-            errors[name] = {"fp32": 0.0}
-            for dtype in dtypes:
-                if dtype == "fp32":
-                    continue
-                work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
-                errors[name][dtype] = output_error(reference, call(work, inputs))
-                work = replace_module(work, name, original)
-    return errors
+from autotune.backends.base import CallInputs
+from autotune.measure.latency import measure_latency
+from autotune.plan import apply_plan, lower_module, uniform_plan
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,

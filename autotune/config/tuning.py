@@ -9,14 +9,14 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
+from autotune.backends import dtype_names
 from autotune.errors import ConfigError
 
-DTYPES = ("fp32", "bf16", "fp16", "int8")
-Dtype = Literal["fp32", "bf16", "fp16", "int8"]
 DEFAULT_STUDIES_DIR = Path("studies")
 DEFAULT_STORAGE = f"sqlite:///{DEFAULT_STUDIES_DIR}/autotune.db"
 
@@ -25,33 +25,59 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (str, BaseModel, dict)) else value
 
 
+def _known_dtype(name: str) -> str:
+    """A dtype some registered technique realises (autotune.backends.register_technique adds names)."""
+    known = dtype_names()
+    if name not in known:
+        expected = ", ".join(repr(d) for d in known[:-1]) + f" or {known[-1]!r}" if len(known) > 1 else repr(known[0])
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+DtypeName = Annotated[str, AfterValidator(_known_dtype)]
+
+
 class StrictModel(BaseModel):
-    """Rejects unknown fields; turns pydantic's error into ConfigError naming each bad field's full path."""
+    """Rejects unknown fields. `from_mapping` turns pydantic's error into ConfigError naming each bad field's
+    full path; `context` reaches every nested model's validators (file configs pass their folder in it)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    def __init__(self, /, **data: Any):
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise ConfigError.from_validation(exc, type(self).__name__) from None
-
-    # Marks this __init__ as pydantic's own: nested models are then validated directly instead of through it,
-    # so one error reaches the outermost call with every field's full path.
-    __init__.__pydantic_base_init__ = True
-
     @classmethod
-    def from_mapping(cls, data: Any):
+    def from_mapping(cls, data: Any, context: dict[str, Any] | None = None):
+        """Validates `data` into this model.
+
+        Raises:
+            ConfigError: `data` is not a mapping of field names, or a field is unknown, missing or invalid.
+        """
         if not isinstance(data, Mapping) or not all(isinstance(key, str) for key in data):
             raise ConfigError(f"{cls.__name__} must be a mapping of field names to values, got {reprlib.repr(data)}",
                               [(cls.__name__, "expected a mapping")])
-        return cls(**data)
+        try:
+            return cls.model_validate(data, context=context)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, cls.__name__) from None
 
 
-class MixedPrecisionConfig(StrictModel):
+class _RaisesConfigError(type(BaseModel)):
+    """Pydantic's model metaclass, with a constructor that raises ConfigError: calling the class is the only
+    path it changes, so nested configs are still validated by pydantic itself, with full paths and context."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as exc:
+            raise ConfigError.from_validation(exc, cls.__name__) from None
+
+
+class ConfigModel(StrictModel, metaclass=_RaisesConfigError):
+    """A config users build in Python: its constructor raises ConfigError naming each bad field's full path."""
+
+
+class MixedPrecisionConfig(ConfigModel):
     """Which dtypes may be tried, on which modules. Patterns are fnmatch globs on dotted module names."""
 
-    dtype: list[Dtype] = Field(default_factory=lambda: ["int8", "bf16", "fp32"], min_length=1)
+    dtype: list[DtypeName] = Field(default_factory=lambda: ["int8", "bf16", "fp32"], min_length=1)
     module_types: list[str] = Field(
         default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d"], min_length=1,
         description="class names (or dotted import paths) of the modules to tune")
@@ -67,7 +93,7 @@ class MixedPrecisionConfig(StrictModel):
         return list(dict.fromkeys(value))
 
 
-class TuningConfig(StrictModel):
+class TuningConfig(ConfigModel):
     config_set: list[MixedPrecisionConfig] = Field(
         default_factory=lambda: [MixedPrecisionConfig()], min_length=1,
         description="one config or a list; a module may take any dtype of every config that matches it")

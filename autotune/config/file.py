@@ -14,20 +14,19 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from contextvars import ContextVar
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
-from autotune.config import StrictModel, TuningConfig
+from autotune.config.tuning import StrictModel, TuningConfig
+from autotune.dataset_eval import dataset_eval
 from autotune.errors import ConfigError
 
 _UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
-# Pydantic's validation context does not reach nested StrictModels (their __init__ validates without it).
-_BASE_DIR: ContextVar[Path] = ContextVar("config_base_dir", default=Path("."))
 
 
 def expand_env(value: str) -> str:
@@ -98,8 +97,8 @@ class DatasetFiles(StrictModel):
 
     @field_validator("files")
     @classmethod
-    def _existing(cls, files: list[str]) -> list[str]:
-        base = _BASE_DIR.get()
+    def _existing(cls, files: list[str], info: ValidationInfo) -> list[str]:
+        base = Path((info.context or {}).get("base_dir", "."))
         found = []
         for name in files:
             path = base / expand_env(name)
@@ -109,7 +108,7 @@ class DatasetFiles(StrictModel):
         return found
 
     @model_validator(mode="after")
-    def _known_format(self) -> "DatasetFiles":
+    def _known_format(self) -> DatasetFiles:
         self.file_format  # noqa: B018 -- raises when the suffixes do not tell
         return self
 
@@ -140,7 +139,7 @@ class Evaluation(StrictModel):
     batch_size: int = Field(64, ge=1)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "Evaluation":
+    def _one_kind(self) -> Evaluation:
         if (self.eval_fn is None) == (self.dataset is None):
             raise ValueError("give either eval_fn (a factory import path) or dataset (the built-in evaluator)")
         if self.dataset is not None and (self.inputs is None or self.label is None):
@@ -160,7 +159,6 @@ class Evaluation(StrictModel):
                 raise ConfigError(f"evaluation.eval_fn: {self.eval_fn} returned {type(eval_fn).__name__}, "
                                   "not an eval_fn(model) -> number", [("evaluation.eval_fn", self.eval_fn)])
             return eval_fn
-        from autotune.dataset_eval import dataset_eval
         return dataset_eval(self)
 
 
@@ -199,14 +197,15 @@ class FileConfig(StrictModel):
 
 
 def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") -> FileConfig:
-    """Validates a mapping; relative dataset paths are read from `base_dir`."""
-    token = _BASE_DIR.set(Path(base_dir))
+    """Validates a mapping; relative dataset paths are read from `base_dir`.
+
+    Raises:
+        ConfigError: naming `source` and each bad field.
+    """
     try:
-        return FileConfig.from_mapping(data)
+        return FileConfig.from_mapping(data, context={"base_dir": Path(base_dir)})
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}", exc.errors) from None
-    finally:
-        _BASE_DIR.reset(token)
 
 
 def _where(path: Path, text: str, position: int) -> str:
@@ -216,7 +215,15 @@ def _where(path: Path, text: str, position: int) -> str:
 
 
 def load_config(path: str | os.PathLike) -> FileConfig:
-    """Reads and validates a YAML tuning file; every problem is a ConfigError naming the file and field."""
+    """Reads and validates a YAML tuning file.
+
+    Args:
+        path: the YAML file; relative dataset paths in it are read from its folder.
+    Returns:
+        The validated FileConfig (model factory, evaluation, example inputs, tuning).
+    Raises:
+        ConfigError: naming the file, and the line or field, of every problem found.
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()

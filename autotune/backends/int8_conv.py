@@ -1,0 +1,68 @@
+"""int8 Conv2d with static activation quantisation: input and output ranges calibrated on the inputs the
+module really saw."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from autotune.backends.base import CallInputs, Technique
+from autotune.backends.quantized import (
+    PackedInt8,
+    activation_qmax,
+    affine_qparams,
+    engine_available,
+    per_channel_qweight,
+    qint8_nbytes,
+    quantized_engine,
+)
+
+
+class StaticInt8Conv2d(PackedInt8):
+    """Conv2d with int8 weights and int8 activations whose ranges were calibrated on real inputs."""
+
+    def __init__(self, conv: nn.Conv2d, calibration: CallInputs, reduce_range: bool, engine: str):
+        super().__init__()
+        x = calibration[0][0].detach().float()
+        with torch.no_grad():
+            y = conv(x.to(conv.weight.dtype)).float()
+        qmax = activation_qmax(reduce_range)
+        self.in_scale, self.in_zero_point = affine_qparams(x, qmax)
+        self.out_scale, self.out_zero_point = affine_qparams(y, qmax)
+        bias = None if conv.bias is None else conv.bias.detach().float()
+        qweight = per_channel_qweight(conv.weight)
+        with quantized_engine(engine):
+            self._packed = torch.ops.quantized.conv2d_prepack(
+                qweight, bias, list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
+        self._nbytes = qint8_nbytes(qweight, bias)
+        self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unbatched = x.dim() == 3
+        q = torch.quantize_per_tensor(x.float().unsqueeze(0) if unbatched else x.float(),
+                                      self.in_scale, self.in_zero_point, torch.quint8)
+        out = torch.ops.quantized.conv2d(q, self._packed, self.out_scale, self.out_zero_point).dequantize()
+        return (out.squeeze(0) if unbatched else out).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.summary}, int8 static"
+
+
+@dataclass(frozen=True)
+class Int8StaticConv2dConfig(Technique):
+    """`nn.Conv2d` in int8, activation ranges calibrated on the inputs the module saw (min / max)."""
+
+    name: ClassVar[str] = "int8"
+    reduce_range: bool = True
+    engine: str = "fbgemm"
+
+    def supports(self, module: nn.Module, device: torch.device) -> bool:
+        return (type(module) is nn.Conv2d and module.padding_mode == "zeros"
+                and not isinstance(module.padding, str) and engine_available(self.engine, device))
+
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+        if calibration is None:
+            raise ValueError("int8 Conv2d needs the inputs the module saw, for calibration")
+        return StaticInt8Conv2d(module, calibration, self.reduce_range, self.engine)

@@ -1,0 +1,54 @@
+"""int8 Linear with dynamic activation quantisation: int8 weights, activations quantised per call (no
+calibration needed)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from autotune.backends.base import CallInputs, Technique
+from autotune.backends.quantized import (
+    PackedInt8,
+    engine_available,
+    per_channel_qweight,
+    qint8_nbytes,
+    quantized_engine,
+)
+
+
+class DynamicInt8Linear(PackedInt8):
+    """Linear with int8 weights; activations quantised per batch at run time."""
+
+    def __init__(self, linear: nn.Linear, reduce_range: bool, engine: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.reduce_range = reduce_range
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        qweight = per_channel_qweight(linear.weight)
+        with quantized_engine(engine):
+            self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self._nbytes = qint8_nbytes(qweight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 dynamic"
+
+
+@dataclass(frozen=True)
+class Int8DynamicLinearConfig(Technique):
+    """`nn.Linear` in int8 with per-channel weights and activations quantised per call."""
+
+    name: ClassVar[str] = "int8"
+    reduce_range: bool = True     # 7-bit activations: see autotune.backends.quantized
+    engine: str = "fbgemm"
+
+    def supports(self, module: nn.Module, device: torch.device) -> bool:
+        return type(module) is nn.Linear and engine_available(self.engine, device)
+
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+        return DynamicInt8Linear(module, self.reduce_range, self.engine)

@@ -1,0 +1,74 @@
+"""What the int8 techniques share: FBGEMM's quantized kernels (the aten ops under torch.ao, not its deprecated
+Python API), per-output-channel symmetric int8 weights, and modules holding packed weights.
+
+Activations may use 7 bits (`reduce_range`): FBGEMM's AVX2 path accumulates pairs in int16 and saturates with 8
+(README, "Kernel paths", has the measured errors)."""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from autotune.clone import copy_module_state
+
+
+@contextmanager
+def quantized_engine(engine: str) -> Iterator[None]:
+    """Packs weights for `engine`, leaving the process-wide quantized engine as it was (a packed weight keeps its
+    engine's kernels)."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def engine_available(engine: str, device: torch.device) -> bool:
+    return device.type == "cpu" and engine in torch.backends.quantized.supported_engines
+
+
+def per_channel_qweight(weight: torch.Tensor) -> torch.Tensor:
+    weight = weight.detach().float()
+    amax = weight.abs().flatten(1).amax(dim=1).clamp(min=1e-8)
+    scales = (amax / 127).double()
+    zero_points = torch.zeros_like(scales, dtype=torch.long)
+    with warnings.catch_warnings():  # quantized-tensor creation warns of a future removal; this path is swappable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+
+
+def activation_qmax(reduce_range: bool) -> int:
+    return 127 if reduce_range else 255
+
+
+def affine_qparams(tensor: torch.Tensor, qmax: int) -> tuple[float, int]:
+    """Scale and zero point mapping [min(tensor, 0), max(tensor, 0)] onto [0, qmax]."""
+    low = min(tensor.min().item(), 0.0)
+    high = max(tensor.max().item(), 0.0)
+    scale = max((high - low) / qmax, 1e-8)
+    zero_point = int(min(max(round(-low / scale), 0), qmax))
+    return scale, zero_point
+
+
+def qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Bytes of int8 weights, their per-channel scales and zero points, and the bias."""
+    per_channel = qweight.q_per_channel_scales().numel() * 16 if qweight.qscheme() != torch.per_tensor_affine else 16
+    return qweight.numel() + per_channel + (bias.numel() * bias.element_size() if bias is not None else 0)
+
+
+class PackedInt8(nn.Module):
+    """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them."""
+
+    _packed: torch.ScriptObject
+    _nbytes: int
+
+    def __deepcopy__(self, memo: dict) -> PackedInt8:
+        memo[id(self._packed)] = self._packed
+        return copy_module_state(self, memo)
+
+    def weight_nbytes(self) -> int:
+        return self._nbytes

@@ -1,0 +1,103 @@
+"""The search policy: which plans to run, in which order, and when to stop.
+
+Guided candidates first (autotune.search.guided); then, in a space small enough to enumerate, the remaining plans
+fastest-predicted first, else Optuna's sampler. Every phase stops at the shared budget (`max_trials` evaluated
+trials across all processes, `timeout`); the last two also after `patience` trials without a better passing plan.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from autotune.config.tuning import TuningConfig
+from autotune.plan import plan_key
+from autotune.search.guided import exhaustive_order, guided_search
+from autotune.search.trials import TrialRunner
+
+EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
+
+
+@dataclass
+class Budget:
+    """What the search may still spend: evaluations (all processes' together) and time."""
+    max_trials: int
+    deadline: float        # time.monotonic() after which no trial starts
+
+    def left(self, runner: TrialRunner) -> bool:
+        # runner.evaluated: every worker's evaluations as of the runner's last read of the study
+        return runner.evaluated < self.max_trials and time.monotonic() < self.deadline
+
+
+@dataclass
+class Patience:
+    """Evaluated trials since the best passing plan last got faster."""
+    limit: int
+    best: float
+    stale: int = 0
+
+    def note(self, best_now: float) -> None:
+        self.stale = 0 if best_now < self.best else self.stale + 1
+        self.best = best_now
+
+    @property
+    def spent(self) -> bool:
+        return self.stale >= self.limit
+
+
+def best_passing_ratio(runner: TrialRunner) -> float:
+    return min((o.latency_ratio for o in runner.outcomes.values() if o.passed), default=math.inf)
+
+
+def run_search(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
+    """Runs trials until the budget or patience is spent.
+
+    Args:
+        runner: runs plans as trials of the study.
+        config: max_trials and patience.
+        deadline: time.monotonic() after which no new trial starts.
+    """
+    budget = Budget(config.max_trials, deadline)
+    run_guided(runner, budget)
+    patience = Patience(config.patience, best_passing_ratio(runner))
+    if runner.space.size <= EXHAUSTIVE_LIMIT:
+        run_exhaustive(runner, budget, patience)
+    else:
+        run_sampler(runner, budget, patience)
+
+
+def run_guided(runner: TrialRunner, budget: Budget) -> None:
+    search = guided_search(runner.space)
+    plan = next(search, None)
+    while plan is not None and budget.left(runner):
+        outcome = runner.run_plan(plan, "guided")
+        try:
+            plan = search.send(outcome is not None and outcome.passed)
+        except StopIteration:
+            return
+
+
+def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> None:
+    """The plans of a small space not run yet, fastest predicted first."""
+    for plan in exhaustive_order(runner.space):
+        if not budget.left(runner) or patience.spent:
+            return
+        key = plan_key(runner.space.expand(plan))
+        # A plan another worker is running is theirs: move on rather than wait for it.
+        if key not in runner.outcomes and not runner.held_elsewhere(key):
+            runner.run_plan(plan, "exhaustive")
+            patience.note(best_passing_ratio(runner))
+
+
+def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> None:
+    """Trials Optuna's sampler proposes; a proposal already evaluated costs no eval_fn call, but too many in a row
+    (the sampler keeps returning to known plans) end the search too."""
+    duplicates = 0
+    while budget.left(runner) and not patience.spent and duplicates < 3 * patience.limit:
+        trial = runner.run_once()
+        runner.refresh()
+        if trial.user_attrs.get("duplicate"):
+            duplicates += 1
+            continue
+        duplicates = 0
+        patience.note(best_passing_ratio(runner))

@@ -1,0 +1,128 @@
+"""Who runs what, kept in the study's own database so it holds across processes and machines: a claim row per
+(study, plan) under a unique key, so no two trials evaluate one plan, and leases, so one worker at a time does a
+study's one-off work (its fp32 baseline and signals). Both live in tables of their own beside Optuna's, written
+with SQLAlchemy Core; nothing in Optuna's schema is touched."""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import sqlalchemy
+from optuna.storages import RDBStorage
+from optuna.trial import TrialState
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table
+
+_metadata = MetaData()
+plan_claims = Table(
+    "autotune_plan_claims", _metadata,
+    Column("study_name", String(512), primary_key=True),
+    Column("plan_hash", String(64), primary_key=True),   # sha256 of the plan key: keys of big models are long
+    Column("trial_number", Integer, nullable=False))
+leases = Table(
+    "autotune_leases", _metadata,
+    Column("study_name", String(512), primary_key=True),
+    Column("name", String(64), primary_key=True),
+    Column("holder", String(128), nullable=False),
+    Column("expires_at", Float, nullable=False))   # seconds since the epoch
+
+
+def create_tables(engine: sqlalchemy.Engine) -> None:
+    """Creates the claim and lease tables if missing; safe when several processes start at once."""
+    try:
+        _metadata.create_all(engine, checkfirst=True)
+    except sqlalchemy.exc.DatabaseError:   # another process created them between the check and the create
+        if not set(_metadata.tables) <= set(sqlalchemy.inspect(engine).get_table_names()):
+            raise
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class PlanClaims:
+    """The plans claimed in one study, each by one trial (number); the trial's state says whether it lives."""
+
+    def __init__(self, storage: RDBStorage, study_name: str):
+        self.storage, self.study_name = storage, study_name
+        self.engine = storage.engine
+        self.study_id = storage.get_study_id_from_name(study_name)
+        create_tables(self.engine)
+
+    def _where(self, key: str) -> list:
+        return [plan_claims.c.study_name == self.study_name, plan_claims.c.plan_hash == _hash(key)]
+
+    def claim(self, key: str, trial_number: int) -> int:
+        """Claims plan `key` for a trial unless another trial holds it; returns the holder's number."""
+        try:
+            with self.engine.begin() as connection:
+                connection.execute(plan_claims.insert().values(
+                    study_name=self.study_name, plan_hash=_hash(key), trial_number=trial_number))
+            return trial_number
+        except sqlalchemy.exc.IntegrityError:
+            holder = self.holder(key)
+            return trial_number if holder is None else holder   # None: released in between; the next try takes it
+
+    def holder(self, key: str) -> int | None:
+        """The number of the trial holding plan `key`, None if no trial does."""
+        with self.engine.connect() as connection:
+            return connection.execute(sqlalchemy.select(plan_claims.c.trial_number).where(*self._where(key))
+                                      ).scalar_one_or_none()
+
+    def take_over(self, key: str, dead_holder: int, trial_number: int) -> bool:
+        """Moves plan `key` from a trial whose process died to `trial_number`; False if someone else did first."""
+        with self.engine.begin() as connection:
+            moved = connection.execute(plan_claims.update().where(
+                *self._where(key), plan_claims.c.trial_number == dead_holder).values(trial_number=trial_number))
+            return moved.rowcount == 1
+
+    def state_of(self, trial_number: int) -> TrialState:
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial_number)
+        return self.storage.get_trial(trial_id).state
+
+
+@contextmanager
+def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s: float = 0.5) -> Iterator[None]:
+    """Holds lease `name` of a study while the block runs: other holders wait. The holder renews it every third
+    of `ttl_s`; a holder that dies stops renewing, and after `ttl_s` the lease is free again."""
+    engine = storage.engine
+    create_tables(engine)
+    holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    where = [leases.c.study_name == study_name, leases.c.name == name]
+    while not _acquire(engine, study_name, name, holder, ttl_s, where):
+        time.sleep(poll_s)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(ttl_s / 3):
+            with engine.begin() as connection:
+                connection.execute(leases.update().where(*where, leases.c.holder == holder)
+                                   .values(expires_at=time.time() + ttl_s))
+
+    renewer = threading.Thread(target=renew, name=f"autotune-lease-{name}", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        with engine.begin() as connection:
+            connection.execute(leases.delete().where(*where, leases.c.holder == holder))
+
+
+def _acquire(engine: sqlalchemy.Engine, study_name: str, name: str, holder: str, ttl_s: float, where: list) -> bool:
+    try:
+        with engine.begin() as connection:
+            connection.execute(leases.insert().values(study_name=study_name, name=name, holder=holder,
+                                                      expires_at=time.time() + ttl_s))
+        return True
+    except sqlalchemy.exc.IntegrityError:
+        with engine.begin() as connection:   # an expired lease: its holder died
+            taken = connection.execute(leases.update().where(*where, leases.c.expires_at < time.time())
+                                       .values(holder=holder, expires_at=time.time() + ttl_s))
+            return taken.rowcount == 1
