@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 import optuna
+import sqlalchemy
 import torch
 import yaml
 
@@ -22,7 +23,7 @@ from autotune.clone import clone
 from autotune.config import DEFAULT_STORAGE, FileConfig, TuningConfig, load_config
 from autotune.discovery import search_candidates
 from autotune.errors import AutotuneError, PlanError
-from autotune.plan import Plan, apply_plan, summarize, validate_plan
+from autotune.plan import Plan, apply_plan, plan_id, summarize, validate_plan
 from autotune.result import table
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
@@ -32,27 +33,70 @@ from autotune.tuner import finish, search, start_runner, study_name_for
 storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
 
 
+INPUT_ERROR, INTERRUPTED, UNEXPECTED = 2, 130, 1     # exit codes (README, "YAML files and the CLI")
+
+
 class CliError(click.ClickException):
-    exit_code = 2
+    exit_code = INPUT_ERROR
 
 
 class _Group(click.Group):
-    """Errors autotune raises on purpose are shown as one message, not a traceback."""
+    """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
+    Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except AutotuneError as exc:
-            raise CliError(str(exc)) from None
+        except click.exceptions.Exit:
+            raise
+        except (click.ClickException, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if ctx.params.get("debug"):
+                raise
+            raise _as_cli_error(exc) from None
+        except KeyboardInterrupt:
+            if ctx.params.get("debug"):
+                raise
+            click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume",
+                       err=True)
+            ctx.exit(INTERRUPTED)
+
+
+def _as_cli_error(exc: Exception) -> click.ClickException:
+    if isinstance(exc, AutotuneError):
+        return CliError(str(exc))
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        return CliError(f"the study storage failed: {' '.join(str(exc.orig).split())}")
+    if isinstance(exc, OSError) and exc.filename:
+        return CliError(f"cannot write or read {exc.filename}: {exc.strerror}")
+    error = click.ClickException(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+    error.exit_code = UNEXPECTED
+    return error
 
 
 @click.group(cls=_Group)
-def main() -> None:
+@click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
+def main(debug: bool) -> None:
     """Accuracy-driven mixed-precision autotuning for PyTorch."""
+    # A config names its model and eval_fn by import path: modules beside it in the working directory import,
+    # as they do with `python -m autotune`.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    optuna.logging.set_verbosity(optuna.logging.ERROR)   # the tuner logs failed trials itself, in one line
+
+
+def writable(out: str) -> str:
+    """`out`, once its folder is known to exist and be writable: checked before any work starts."""
+    folder = Path(out).resolve().parent
+    if not folder.is_dir():
+        raise CliError(f"cannot write {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"cannot write {out}: the folder {folder} is not writable")
+    return out
 
 
 def load_study(name: str, storage: str) -> optuna.Study:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
     except KeyError:
@@ -143,7 +187,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     try:
         with progress(tuning.max_trials, done, verbose) as callbacks:
             runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), callbacks=callbacks)
-            search(runner, started)
+            stopped = search(runner, started)
         failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
     finally:
         for helper in helpers:
@@ -152,6 +196,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     if failed:
         raise CliError(f"{len(failed)} of {workers - 1} worker processes failed (exit codes {failed}); every "
                        "finished trial is kept: run the same command again to resume")
+    click.echo(f"search stopped: {stopped}")
     result = finish(runner, started)
     click.echo(result.summary())
     click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
@@ -163,7 +208,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
 def show(study_name: str, storage: str) -> None:
     """Trials of STUDY as a table, then its best plan."""
     study = load_study(study_name, storage)
-    rows = [["#", "source", "plan", "accuracy", "latency/fp32", "result"]]
+    rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", "result"]]
     for trial in study.trials:
         attrs = trial.user_attrs
         if attrs.get("duplicate"):
@@ -172,7 +217,8 @@ def show(study_name: str, storage: str) -> None:
             outcome = "pass" if attrs.get("passed") else "FAIL"
         else:
             outcome = trial.state.name.lower()
-        rows.append([str(trial.number), attrs.get("source", "sampler"), summarize(studies.trial_plan(trial)),
+        plan = studies.trial_plan(trial)
+        rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-", summarize(plan),
                      _fmt(attrs.get("accuracy")), _fmt(trial.values[0] if trial.values else None, "{:.3f}"),
                      outcome])
     click.echo(table(rows))
@@ -194,7 +240,8 @@ def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
 @storage_option
 @click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
               help="default: from --out's suffix, else json")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="default: standard output")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, callback=lambda _c, _p, v: v and writable(v),
+              help="default: standard output")
 def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> None:
     """The best plan of STUDY (input of `apply`)."""
     study = load_study(study_name, storage)
@@ -234,7 +281,8 @@ def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="the YAML config the model comes from")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="where to torch.save the tuned model")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda _c, _p, v: writable(v),
+              help="where to torch.save the tuned model (load it with torch.load(path, weights_only=False))")
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     config = load_config(config_path)
@@ -271,7 +319,8 @@ def list_command(storage: str) -> None:
 @main.command()
 @click.argument("study_name", metavar="STUDY")
 @storage_option
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="the HTML file to write")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda _c, _p, v: writable(v),
+              help="the HTML file to write")
 def report(study_name: str, storage: str, out: str) -> None:
     """HTML report of STUDY: Pareto plot, best plan."""
     from autotune.report import html_report

@@ -19,7 +19,7 @@ class ConfigError(AutotuneError, ValueError):
         errors = []
         for err in exc.errors():
             path = ".".join(str(part) for part in err["loc"]) or model_name
-            errors.append((path, err["msg"]))
+            errors.append((path, err["msg"].removeprefix("Value error, ")))
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         return cls(f"invalid {model_name}:\n{lines}", errors)
 
@@ -34,6 +34,11 @@ class NoTunableModulesError(AutotuneError):
 
 class PlanError(AutotuneError, ValueError):
     """A plan names modules the model does not have, or dtypes a module cannot take."""
+
+
+class StorageError(AutotuneError):
+    """The study storage cannot be opened or read: a URL that does not parse, a database driver that is not
+    installed, a server that does not answer, a file that is not a database."""
 
 
 class StudyMismatchError(AutotuneError):

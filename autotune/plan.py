@@ -1,6 +1,7 @@
 """A plan maps each tunable module name to a dtype; applying it builds a new model and leaves the original alone."""
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -17,6 +18,11 @@ Plan = dict[str, str]
 def plan_key(plan: Plan) -> str:
     """A stable text key: equal plans give equal keys, whatever the dict order."""
     return json.dumps(dict(sorted(plan.items())), separators=(",", ":"))
+
+
+def plan_id(plan: Plan) -> str:
+    """A short id telling plans apart where a summary (`int8×1 fp32×3`) cannot: 8 hex digits of the key's sha1."""
+    return hashlib.sha1(plan_key(plan).encode()).hexdigest()[:8]
 
 
 def is_baseline(plan: Plan) -> bool:

@@ -136,10 +136,12 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
 
 
 @_fewer_collections()
-def search(runner: TrialRunner, started: float) -> None:
-    """Runs trials until the budget (max_trials, timeout, patience) is spent; all processes share it."""
-    run_search(runner, runner.config, started + (runner.config.timeout or math.inf))
+def search(runner: TrialRunner, started: float) -> str:
+    """Runs trials until the budget (max_trials, timeout, patience) is spent; all processes share it.
+    Returns why the search stopped."""
+    reason = run_search(runner, runner.config, started + (runner.config.timeout or math.inf))
     runner.run_queued()   # plans re-queued after a crash are retried even when the budget is spent
+    return reason
 
 
 @_fewer_collections()

@@ -58,6 +58,7 @@ def test_tune_prints_summary_and_expands_env_in_storage(tuned):
     folder, _, _, result = tuned
     assert result.exit_code == 0, result.output
     assert "speedup" in result.output and "study 'mnist'" in result.output and "new" in result.output
+    assert "search stopped: " in result.output      # why it ended, when that is before max_trials too
     assert (folder / "s.db").is_file()
 
 
@@ -75,6 +76,9 @@ def test_show_lists_trials_and_best(tuned):
     result = run("show", "mnist", "--storage", storage)
     assert result.exit_code == 0, result.output
     assert "latency/fp32" in result.output and "guided" in result.output and "best: accuracy" in result.output
+    rows = [line.split() for line in result.output.splitlines() if line[:1].isdigit()]
+    evaluated = [row for row in rows if row[-1] in ("pass", "FAIL")]
+    assert evaluated and len({row[2] for row in evaluated}) == len(evaluated)   # one plan id per evaluated plan
 
 
 @pytest.mark.parametrize("fmt", ["json", "yaml"])

@@ -6,8 +6,9 @@
     example_inputs: {factory: "package.module:callable", kwargs: {...}} # optional
     tuning:     {...}                                                   # autotune.config.TuningConfig
 
-`${VAR}` / `$VAR` are expanded in dataset paths and the storage URL. Relative dataset paths are read from the
-config file's folder; the storage URL is used as is (a relative SQLite path is from the working directory).
+`${VAR}` / `$VAR` are expanded in every string value (a variable that is not set is an error). Relative dataset
+paths are read from the config file's folder; the storage URL is used as is (a relative SQLite path is from the
+working directory). A config is code: its import paths name callables that run with your permissions.
 """
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ def expand_env(value: str) -> str:
     return expanded
 
 
+def expand_env_everywhere(data: Any, path: str = "") -> Any:
+    """`data` with `${VAR}` / `$VAR` expanded in every string value (keys are left alone).
+
+    Raises:
+        ConfigError: naming the field whose string uses a variable that is not set.
+    """
+    if isinstance(data, str):
+        try:
+            return expand_env(data)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: {exc}", [(path, str(exc))]) from None
+    if isinstance(data, dict):
+        return {key: expand_env_everywhere(value, f"{path}.{key}" if path else str(key)) for key, value in data.items()}
+    if isinstance(data, list):
+        return [expand_env_everywhere(value, f"{path}.{index}") for index, value in enumerate(data)]
+    return data
+
+
 def resolve(import_path: str) -> Any:
     """The object at "package.module:attribute" (the attribute may be dotted)."""
     module_name, _, attribute = import_path.partition(":")
@@ -45,8 +64,9 @@ def resolve(import_path: str) -> Any:
         raise ValueError(f"{import_path!r} is not an import path of the form 'package.module:name'")
     try:
         target = importlib.import_module(module_name)
-    except (ImportError, TypeError) as exc:   # TypeError: a relative name such as ".module"
-        raise ValueError(f"cannot import module {module_name!r} of {import_path!r}: {exc}") from None
+    except Exception as exc:   # the user's module may raise anything as it is imported
+        raise ValueError(f"cannot import module {module_name!r} of {import_path!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
     for part in attribute.split("."):
         try:
             target = getattr(target, part)
@@ -101,7 +121,7 @@ class DatasetFiles(StrictModel):
         base = Path((info.context or {}).get("base_dir", "."))
         found = []
         for name in files:
-            path = base / expand_env(name)
+            path = base / name
             if not path.is_file():
                 raise ValueError(f"dataset file not found: {path}")
             found.append(str(path))
@@ -162,22 +182,16 @@ class Evaluation(StrictModel):
         return dataset_eval(self)
 
 
-class FileTuning(TuningConfig):
-    """TuningConfig itself (no field added), with environment variables expanded in the storage URL."""
-
-    _expand_storage = field_validator("storage", mode="before")(
-        lambda value: expand_env(value) if isinstance(value, str) else value)
-
-
 class FileConfig(StrictModel):
+    display_name = "config"
     model: Factory
     evaluation: Evaluation
     example_inputs: Factory | None = Field(None, description="default: the first batch eval_fn feeds the model")
-    tuning: FileTuning = Field(default_factory=FileTuning, validate_default=True)
+    tuning: TuningConfig = Field(default_factory=TuningConfig, validate_default=True)
 
     @field_validator("tuning")
     @classmethod
-    def _metric_direction(cls, tuning: FileTuning, info: ValidationInfo) -> FileTuning:
+    def _metric_direction(cls, tuning: TuningConfig, info: ValidationInfo) -> TuningConfig:
         evaluation = info.data.get("evaluation")  # absent when evaluation itself was invalid
         if evaluation is not None and evaluation.dataset is not None and evaluation.metric == "mse":
             if "higher_is_better" in tuning.model_fields_set and tuning.higher_is_better:
@@ -203,7 +217,7 @@ def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") 
         ConfigError: naming `source` and each bad field.
     """
     try:
-        return FileConfig.from_mapping(data, context={"base_dir": Path(base_dir)})
+        return FileConfig.from_mapping(expand_env_everywhere(data), context={"base_dir": Path(base_dir)})
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}", exc.errors) from None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -42,6 +42,7 @@ class StrictModel(BaseModel):
     full path; `context` reaches every nested model's validators (file configs pass their folder in it)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    display_name: ClassVar[str | None] = None     # how errors name the model; default: its class name
 
     @classmethod
     def from_mapping(cls, data: Any, context: dict[str, Any] | None = None):
@@ -50,13 +51,14 @@ class StrictModel(BaseModel):
         Raises:
             ConfigError: `data` is not a mapping of field names, or a field is unknown, missing or invalid.
         """
+        name = cls.display_name or cls.__name__
         if not isinstance(data, Mapping) or not all(isinstance(key, str) for key in data):
-            raise ConfigError(f"{cls.__name__} must be a mapping of field names to values, got {reprlib.repr(data)}",
-                              [(cls.__name__, "expected a mapping")])
+            raise ConfigError(f"{name} must be a mapping of field names to values, got {reprlib.repr(data)}",
+                              [(name, "expected a mapping")])
         try:
             return cls.model_validate(data, context=context)
         except ValidationError as exc:
-            raise ConfigError.from_validation(exc, cls.__name__) from None
+            raise ConfigError.from_validation(exc, name) from None
 
 
 class _RaisesConfigError(type(BaseModel)):

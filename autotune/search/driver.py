@@ -25,8 +25,14 @@ class Budget:
     deadline: float        # time.monotonic() after which no trial starts
 
     def left(self, runner: TrialRunner) -> bool:
+        return self.spent(runner) is None
+
+    def spent(self, runner: TrialRunner) -> str | None:
+        """Why nothing is left, or None."""
         # runner.evaluated: every worker's evaluations as of the runner's last read of the study
-        return runner.evaluated < self.max_trials and time.monotonic() < self.deadline
+        if runner.evaluated >= self.max_trials:
+            return f"max_trials ({self.max_trials}) evaluated trials reached"
+        return "timeout reached" if time.monotonic() >= self.deadline else None
 
 
 @dataclass
@@ -44,26 +50,30 @@ class Patience:
     def spent(self) -> bool:
         return self.stale >= self.limit
 
+    def reason(self) -> str:
+        return f"patience: {self.stale} evaluated trials without a faster passing plan"
+
 
 def best_passing_ratio(runner: TrialRunner) -> float:
     return min((o.latency_ratio for o in runner.outcomes.values() if o.passed), default=math.inf)
 
 
-def run_search(runner: TrialRunner, config: TuningConfig, deadline: float) -> None:
+def run_search(runner: TrialRunner, config: TuningConfig, deadline: float) -> str:
     """Runs trials until the budget or patience is spent.
 
     Args:
         runner: runs plans as trials of the study.
         config: max_trials and patience.
         deadline: time.monotonic() after which no new trial starts.
+    Returns:
+        Why the search stopped, in words.
     """
     budget = Budget(config.max_trials, deadline)
     run_guided(runner, budget)
     patience = Patience(config.patience, best_passing_ratio(runner))
     if runner.space.size <= EXHAUSTIVE_LIMIT:
-        run_exhaustive(runner, budget, patience)
-    else:
-        run_sampler(runner, budget, patience)
+        return run_exhaustive(runner, budget, patience)
+    return run_sampler(runner, budget, patience)
 
 
 def run_guided(runner: TrialRunner, budget: Budget) -> None:
@@ -77,19 +87,20 @@ def run_guided(runner: TrialRunner, budget: Budget) -> None:
             return
 
 
-def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> None:
+def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
     """The plans of a small space not run yet, fastest predicted first."""
     for plan in exhaustive_order(runner.space):
         if not budget.left(runner) or patience.spent:
-            return
+            return budget.spent(runner) or patience.reason()
         key = plan_key(runner.space.expand(plan))
         # A plan another worker is running is theirs: move on rather than wait for it.
         if key not in runner.outcomes and not runner.held_elsewhere(key):
             runner.run_plan(plan, "exhaustive")
             patience.note(best_passing_ratio(runner))
+    return budget.spent(runner) or (patience.reason() if patience.spent else "every plan of the space was tried")
 
 
-def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> None:
+def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
     """Trials Optuna's sampler proposes; a proposal already evaluated costs no eval_fn call, but too many in a row
     (the sampler keeps returning to known plans) end the search too."""
     duplicates = 0
@@ -101,3 +112,6 @@ def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> None
             continue
         duplicates = 0
         patience.note(best_passing_ratio(runner))
+    if duplicates >= 3 * patience.limit:
+        return f"the sampler proposed {duplicates} evaluated plans in a row"
+    return budget.spent(runner) or patience.reason()

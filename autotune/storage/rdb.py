@@ -3,16 +3,37 @@ local workers. Any RDB URL Optuna accepts works (PostgreSQL for several machines
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
+from autotune.errors import StorageError
+
 
 def sqlite_path(url: str) -> Path | None:
     """The database file of an `sqlite:///` URL, None for other storages."""
     return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+
+
+@contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turns what the database layer raises for `url` into a StorageError saying what is wrong, in one line."""
+    try:
+        yield
+    except sqlalchemy.exc.ArgumentError:
+        raise StorageError(f"cannot parse the storage URL {url!r}; expected e.g. sqlite:///studies/autotune.db "
+                           "or postgresql+psycopg://user:password@host/database") from None
+    except ImportError as exc:
+        raise StorageError(f"no database driver for the storage URL {url!r} is installed ({exc}); for "
+                           "PostgreSQL: pip install 'psycopg[binary]'") from None
+    except sqlalchemy.exc.DBAPIError as exc:
+        reason = " ".join(str(exc.orig).split())
+        kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
+        raise StorageError(f"cannot use the study storage {url}: {reason}{kept}") from None
 
 
 def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:
@@ -31,12 +52,14 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
         grace_period: seconds without a heartbeat after which a running trial counts as dead.
     Returns:
         Optuna's RDBStorage on that database.
+    Raises:
+        StorageError: the URL does not parse, its driver is missing, or the database cannot be used.
     """
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), storage_errors(url):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         storage = RDBStorage(
             url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,

@@ -39,7 +39,8 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     Raises:
         StudyMismatchError: the existing study was made for another objective, other modules or dtypes.
     """
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if optuna.logging.get_verbosity() < optuna.logging.WARNING:   # not a line per trial from Optuna
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Trials carry their accuracy constraint (Trial.set_constraint), which TPE reads on its own.

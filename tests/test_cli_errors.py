@@ -1,0 +1,125 @@
+"""Every failure a user can cause ends in one `Error: ...` line with a documented exit code (2 for bad input,
+130 for Ctrl-C), never a traceback unless --debug; outputs are checked before any work starts."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from test_cli import SHIPPED, small_mnist, write_yaml
+from test_resume_kill import study_exists
+
+from autotune.cli import main
+
+UNREACHABLE_PG = "postgresql+psycopg://autotune@127.0.0.1:1/studies"     # port 1: nothing listens there
+
+
+def run(*args: str, env: dict | None = None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def assert_one_error_line(result, code: int, *fragments: str) -> None:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+def test_a_storage_url_that_does_not_parse(tmp_path):
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    assert_one_error_line(run("tune", str(config), "--storage", "sqlite:/nope"), 2,
+                          "cannot parse the storage URL 'sqlite:/nope'")
+    assert_one_error_line(run("list", "--storage", "sqlite:/nope"), 2, "cannot parse the storage URL")
+
+
+@pytest.mark.parametrize("command", [["list"], ["show", "mnist"], ["tune", "CONFIG"]])
+def test_an_unreachable_postgresql_server(tmp_path, command):
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    args = [str(config) if arg == "CONFIG" else arg for arg in command]
+    assert_one_error_line(run(*args, "--storage", UNREACHABLE_PG), 2, "cannot use the study storage",
+                          "127.0.0.1", "refused")
+
+
+@pytest.mark.parametrize("damage", [b"not a database at all " * 100, b"SQLite format 3\x00" + b"\xff" * 4096],
+                         ids=["text", "broken-sqlite"])
+def test_a_corrupt_study_database_is_named_and_left_as_it_is(tmp_path, damage):
+    db = tmp_path / "s.db"
+    db.write_bytes(damage)
+    storage = f"sqlite:///{db}"
+    for args in (["show", "mnist", "--storage", storage], ["list", "--storage", storage]):
+        assert_one_error_line(run(*args), 2, "cannot use the study storage", "the file was left as it is")
+    assert db.read_bytes() == damage
+
+
+@pytest.mark.parametrize("command", ["export", "report", "apply"])
+def test_an_output_into_a_missing_folder_fails_before_any_work(tmp_path, command, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "marked_model.py").write_text(
+        "from pathlib import Path\nfrom autotune.workloads import mnist\n\n\n"
+        "def model():\n    Path('model-was-built').touch()\n    return mnist.model()\n")
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["model"] = {"factory": "marked_model:model"}
+    config = write_yaml(tmp_path / "c.yaml", data)
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"plan": {"features.0": "int8"}}')
+    out = str(tmp_path / "missing" / "out.file")
+    args = {"export": ["export", "mnist", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", out],
+            "report": ["report", "mnist", "--storage", f"sqlite:///{tmp_path}/s.db", "--out", out],
+            "apply": ["apply", str(plan), "--config", str(config), "--out", out]}[command]
+    assert_one_error_line(run(*args), 2, f"the folder {tmp_path / 'missing'} does not exist")
+    assert not (tmp_path / "model-was-built").exists()
+
+
+def test_a_module_beside_the_config_imports_and_one_that_raises_at_import_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_eval.py").write_text("raise RuntimeError('the dataset server is down')\n")
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["evaluation"] = {"eval_fn": "broken_eval:make"}
+    assert_one_error_line(run("tune", str(write_yaml(tmp_path / "c.yaml", data))), 2, "evaluation.eval_fn",
+                          "cannot import module 'broken_eval'", "RuntimeError: the dataset server is down")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run("--debug", "list", "--storage", "sqlite:/nope")
+    assert result.exit_code != 0 and result.exception is not None
+    assert "cannot parse the storage URL" in str(result.exception)
+
+
+def test_environment_variables_are_expanded_in_every_string_and_an_unset_one_is_named(tmp_path, monkeypatch):
+    from autotune.config import load_config
+    monkeypatch.setenv("TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv("STUDY", "from-env")
+    data = small_mnist("sqlite:///${TUNE_DIR}/s.db")
+    data["tuning"]["study_name"] = "${STUDY}"
+    assert load_config(write_yaml(tmp_path / "c.yaml", data)).tuning.study_name == "from-env"
+    data["evaluation"]["kwargs"]["label"] = "${AUTOTUNE_TEST_UNSET_LABEL}"
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
+    assert_one_error_line(result, 2, "evaluation.kwargs.label", "AUTOTUNE_TEST_UNSET_LABEL is not set")
+
+
+def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path):
+    data = yaml.safe_load(SHIPPED.read_text())
+    data["evaluation"]["kwargs"]["limit"] = 500
+    data["tuning"].update(max_trials=2, repeats=3, warmup=1, storage=f"sqlite:///{tmp_path}/s.db")
+    config = write_yaml(tmp_path / "c.yaml", data)
+    command = [sys.executable, "-m", "autotune", "tune", str(config)]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not study_exists(tmp_path / "s.db", "mnist") and time.monotonic() < deadline:
+        time.sleep(0.2)       # the study exists once imports are done: the baseline and trials follow
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Aborted" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("Error:")] == [
+        "Error: interrupted; every finished trial is kept: run the same command again to resume"]
+    resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "speedup" in resumed.stdout
