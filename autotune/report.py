@@ -1,85 +1,434 @@
-"""A self-contained HTML report of a study: accuracy vs latency with the Pareto front, and the best plan."""
+"""A self-contained HTML report of a study: the chosen plan, every evaluated trial, and the signals behind them.
+
+One file with its charts inline (PNG data URIs drawn by matplotlib's Agg canvas), no script and nothing fetched.
+Two timings appear and are labelled apart: each trial timed its plan once against fp32 in that trial; the chosen
+plan (study attribute `best`) was re-timed against fp32 with the other finalists after the search, so its speedup
+is not its trial's.
+"""
 from __future__ import annotations
 
 import base64
 import html
 import io
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+from matplotlib.figure import Figure
+from optuna.trial import FrozenTrial, TrialState
 
-from autotune.plan import summarize
+from autotune.backends import dtype_names
+from autotune.plan import Plan, is_baseline, plan_id, plan_key, summarize
 from autotune.storage import study as studies
 
+LABEL_LIMIT = 40     # more points than this: only the Pareto front and the chosen plan are numbered on the plot
+MODULE_LIMIT = 40    # more modules than this: the module chart shows those slowest in fp32
+CHOSEN_COLOUR = "#f2b705"
 
-def pareto_front(trials: list[FrozenTrial]) -> list[FrozenTrial]:
-    """Trials no other trial beats on both latency ratio and accuracy loss, fastest first."""
-    front, best_loss = [], float("inf")
-    for trial in sorted(trials, key=lambda t: (t.values[0], t.user_attrs["accuracy_loss"])):
-        if trial.user_attrs["accuracy_loss"] < best_loss:
-            front.append(trial)
-            best_loss = trial.user_attrs["accuracy_loss"]
+
+@dataclass(frozen=True)
+class Row:
+    """One evaluated trial as the report shows it."""
+    number: int
+    plan: Plan
+    source: str
+    accuracy: float | None
+    loss: float | None
+    ratio: float | None          # plan latency / fp32 latency, both timed once in this trial
+    latency_ms: float | None
+    spread_ms: float | None      # interquartile range of the plan's timing in this trial
+    fp32_ms: float | None
+    passed: bool
+    error: str | None            # why the evaluation failed, for a failed trial
+    chosen: bool
+
+    @property
+    def speedup(self) -> float | None:
+        return 1 / self.ratio if self.ratio else None
+
+    @property
+    def outcome(self) -> str:
+        return "error" if self.error is not None else "pass" if self.passed else "FAIL"
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The plan the tuner returned (study attribute `best`): re-evaluated accuracy, re-timed speedup."""
+    plan: Plan
+    accuracy: float
+    speedup: float
+    trial: Row | None            # the trial that first evaluated this plan, if any did
+    extra: dict[str, Any]        # any further keys the tuner stored with it
+
+
+def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str]) -> Row:
+    attrs, plan = trial.user_attrs, studies.trial_plan(trial)
+    key = studies.trial_plan_key(trial)
+    complete = trial.state == TrialState.COMPLETE
+    chosen = complete and key == chosen_key and key not in first
+    if complete:
+        first.add(key)
+    return Row(trial.number, plan, str(attrs.get("source", "sampler")), attrs.get("accuracy"),
+               attrs.get("accuracy_loss"), trial.values[0] if complete and trial.values else None,
+               attrs.get("latency_ms"), attrs.get("latency_spread_ms"), attrs.get("fp32_latency_ms"),
+               bool(attrs.get("passed")) and complete, None if complete else str(attrs.get("fail_reason", "failed")),
+               chosen)
+
+
+def trial_rows(study: optuna.Study) -> tuple[list[Row], Chosen | None]:
+    """The study's evaluated trials by number (duplicates reuse a result and are left out), and the chosen plan."""
+    best = studies.get_attr(study, "best")
+    chosen_key = plan_key(best["plan"]) if best else None
+    first: set[str] = set()
+    rows = [_row(t, chosen_key, first) for t in sorted(studies.evaluated_trials(study), key=lambda t: t.number)]
+    if not best:
+        return rows, None
+    trial = next((row for row in rows if row.chosen), None)
+    extra = {k: v for k, v in best.items() if k not in ("plan", "accuracy", "speedup")}
+    return rows, Chosen(dict(best["plan"]), best["accuracy"], best["speedup"], trial, extra)
+
+
+def pareto_front(rows: list[Row]) -> list[Row]:
+    """Completed trials no other beats on both in-trial latency ratio and accuracy loss, fastest first."""
+    front, best_loss = [], math.inf
+    for row in sorted((r for r in rows if r.ratio is not None), key=lambda r: (r.ratio, r.loss)):
+        if row.loss < best_loss:
+            front.append(row)
+            best_loss = row.loss
     return front
 
 
-def scatter_png(trials: list[FrozenTrial], baseline: float | None) -> bytes:
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    from matplotlib import pyplot as plt
+def tolerance_limit(baseline: float | None, settings: dict[str, Any]) -> float | None:
+    """The worst accuracy within tolerance, if the study records its tolerance (settings attribute)."""
+    if baseline is None or "tolerable_loss" not in settings:
+        return None
+    tolerance = settings["tolerable_loss"]
+    allowed = tolerance if settings.get("loss_kind") == "absolute" else tolerance * abs(baseline)
+    return baseline - allowed if settings.get("higher_is_better", True) else baseline + allowed
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for passed, colour, label in ((True, "tab:green", "passed"), (False, "tab:red", "missed tolerance")):
-        chosen = [t for t in trials if bool(t.user_attrs.get("passed")) == passed]
-        ax.scatter([t.values[0] for t in chosen], [t.user_attrs["accuracy"] for t in chosen], c=colour,
-                   label=label, alpha=0.7)
-    front = pareto_front(trials)
-    ax.plot([t.values[0] for t in front], [t.user_attrs["accuracy"] for t in front], "k--o", lw=1, ms=11,
-            mfc="none", drawstyle="steps-post", label="Pareto front")
-    ax.scatter([1.0], [baseline] if baseline is not None else [], marker="*", s=200, c="tab:blue",
-               label="fp32 baseline")
-    ax.set_xlabel("latency / fp32 latency (lower is faster)")
-    ax.set_ylabel("accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
+
+def _data_uri(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", bbox_inches="tight")
-    plt.close(fig)
-    return buffer.getvalue()
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _table(header: list[str], rows: list[list[object]]) -> str:
+def accuracy_latency_chart(rows: list[Row], chosen: Chosen | None, baseline: float | None,
+                           limit: float | None) -> str:
+    """Accuracy vs in-trial speedup, points numbered by trial, the chosen plan at its re-timed speedup."""
+    fig = Figure(figsize=(9, 5.2), dpi=110)
+    ax = fig.subplots()
+    done = [r for r in rows if r.ratio is not None]
+    for passed, colour, marker, label in ((True, "tab:green", "o", "passed: in-trial timing"),
+                                          (False, "tab:red", "X", "missed tolerance: in-trial timing")):
+        group = [r for r in done if r.passed == passed]
+        ax.scatter([r.speedup for r in group], [r.accuracy for r in group], c=colour, marker=marker, s=36,
+                   alpha=0.75, label=label, zorder=3)
+    front = pareto_front(done)
+    ax.plot([r.speedup for r in front], [r.accuracy for r in front], "-", c="0.55", lw=1.0, zorder=2,
+            label="Pareto front of in-trial timings")
+    numbered = done if len(done) <= LABEL_LIMIT else front + [r for r in done if r.chosen]
+    for row in numbered:
+        ax.annotate(f"#{row.number}", (row.speedup, row.accuracy), xytext=(4, 4), textcoords="offset points",
+                    fontsize=7, color="0.25")
+    if baseline is not None:
+        ax.scatter([1.0], [baseline], marker="s", s=70, c="tab:blue", label="fp32 baseline", zorder=4)
+    if limit is not None:
+        ax.axhline(limit, color="0.5", lw=0.8, ls=":", label="tolerance limit")
+    ax.axvline(1.0, color="0.7", lw=0.6)
+    ax.margins(x=0.06, y=0.12)   # room for the labels above the top points
+    if chosen is not None:
+        _mark_chosen(ax, chosen)
+    ax.set_xlabel("speedup vs fp32 (fp32 ms / plan ms; higher is faster)")
+    ax.set_ylabel("accuracy (eval_fn score)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _data_uri(fig)
+
+
+def _mark_chosen(ax, chosen: Chosen) -> None:
+    x, y = chosen.speedup, chosen.accuracy
+    ax.scatter([x], [y], marker="*", s=420, c=CHOSEN_COLOUR, edgecolors="black", linewidths=1.0, zorder=5,
+               label="chosen plan: re-timed after the search")
+    trial = chosen.trial
+    if trial is not None and trial.speedup is not None:
+        ax.annotate("", (x, y), xytext=(trial.speedup, trial.accuracy),
+                    arrowprops=dict(arrowstyle="->", color="#b08500", lw=1.2, ls=":"), zorder=4)
+    name = f"#{trial.number} {plan_id(chosen.plan)}" if trial is not None else "fp32 baseline"
+    (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
+    on_left = x > left + 0.6 * (right - left)    # the label goes toward the middle of the plot, off the edges
+    below = y > bottom + 0.5 * (top - bottom)
+    ax.annotate(f"chosen {name}\n{chosen.speedup:.2f}x re-timed", (x, y),
+                xytext=(-12 if on_left else 12, -12 if below else 12), textcoords="offset points", fontsize=9,
+                fontweight="bold", ha="right" if on_left else "left", va="top" if below else "bottom",
+                bbox=dict(boxstyle="round,pad=0.3", fc="white", ec=CHOSEN_COLOUR, alpha=0.9), zorder=6)
+
+
+def history_chart(rows: list[Row], chosen: Chosen | None) -> str:
+    """Each trial's in-trial speedup by trial number, the best passing one so far, and the chosen plan's."""
+    fig = Figure(figsize=(9, 3.8), dpi=110)
+    ax = fig.subplots()
+    done = [r for r in rows if r.ratio is not None]
+    for passed, colour, marker, label in ((True, "tab:green", "o", "passed"), (False, "tab:red", "X", "missed")):
+        group = [r for r in done if r.passed == passed]
+        ax.scatter([r.number for r in group], [r.speedup for r in group], c=colour, marker=marker, s=24,
+                   alpha=0.6, label=f"{label} (in-trial speedup)", zorder=3)
+    steps, best = [], None
+    for row in done:
+        if row.passed and (best is None or row.speedup > best):
+            best = row.speedup
+        if best is not None:
+            steps.append((row.number, best))
+    if steps:
+        ax.step([n for n, _ in steps], [s for _, s in steps], where="post", c="tab:green", lw=2,
+                label="best passing so far (in-trial)")
+    ax.axhline(1.0, color="tab:blue", lw=0.8, ls=":", label="fp32")
+    if chosen is not None:
+        ax.axhline(chosen.speedup, color=CHOSEN_COLOUR, lw=1.5, ls="--",
+                   label=f"chosen plan, re-timed: {chosen.speedup:.2f}x")
+    ax.set_xlabel("trial number")
+    ax.set_ylabel("speedup vs fp32")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _data_uri(fig)
+
+
+def shown_modules(sensitivity: dict, latency: dict) -> list[str]:
+    """The modules the module chart shows, in model order: all of them, or the MODULE_LIMIT slowest in fp32."""
+    names = list(dict.fromkeys([*sensitivity, *latency]))
+    if len(names) <= MODULE_LIMIT:
+        return names
+    slowest = set(sorted(names, key=lambda n: -latency.get(n, {}).get("fp32", 0.0))[:MODULE_LIMIT])
+    return [name for name in names if name in slowest]
+
+
+def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
+    """Per module, a dot per dtype: output error with only that module lowered, and its latency (log scales)."""
+    names = shown_modules(sensitivity, latency)
+    found = {d for table in (sensitivity, latency) for n in names for d in table.get(n, {})}
+    order = [d for d in dtype_names() if d != "fp32"]
+    dtypes = sorted(found, key=lambda d: (d == "fp32", order.index(d) if d in order else len(order), d))
+    fig = Figure(figsize=(10, 1.4 + 0.3 * len(names)), dpi=110)
+    error_ax, latency_ax = fig.subplots(1, 2, sharey=True)
+    markers = "osD^v<>p"
+    for index, dtype in enumerate(dtypes):
+        offset = (index - (len(dtypes) - 1) / 2) * 0.5 / max(1, len(dtypes))   # dots of one module apart
+        style = dict(color=f"C{index}", marker=markers[index % len(markers)], s=30, label=dtype, zorder=3)
+        errors = [(i + offset, sensitivity.get(n, {}).get(dtype)) for i, n in enumerate(names)]
+        if dtype != "fp32":   # its error is 0 by definition, which a log scale cannot show
+            finite = [(y, e) for y, e in errors if e is not None and 0 < e < math.inf]
+            error_ax.scatter([e for _, e in finite], [y for y, _ in finite], **style)
+            for y, e in errors:
+                if e is not None and not e < math.inf:
+                    error_ax.annotate(f"{dtype}: inf", (1, y), xycoords=("axes fraction", "data"), fontsize=7,
+                                      ha="right", va="center")
+        times = [(i + offset, latency.get(n, {}).get(dtype)) for i, n in enumerate(names)]
+        times = [(y, t) for y, t in times if t is not None and t > 0]
+        latency_ax.scatter([t for _, t in times], [y for y, _ in times], **style)
+    error_ax.set_yticks(range(len(names)), [f"{n} [{plan[n]}]" if plan and n in plan else n for n in names],
+                        fontsize=8)
+    error_ax.set_ylim(len(names) - 0.5, -0.5)   # first module on top
+    for ax, title, label in ((error_ax, "sensitivity", "model output error, only this module lowered"),
+                             (latency_ax, "module latency", "ms, the module alone")):
+        if ax.has_data():
+            ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(label + " (log)")
+        ax.grid(alpha=0.3)
+    latency_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="dtype")
+    fig.tight_layout()
+    return _data_uri(fig)
+
+
+def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _cell(value: object) -> str:
+    """A table cell: text is escaped; a tuple (html,) is inserted as is."""
+    return value[0] if isinstance(value, tuple) else html.escape(str(value))
+
+
+def _table(header: list[str], rows: list[list[object]], classes: list[str] | None = None) -> str:
     cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{cells}</tr>{body}</table>"
+    body = "".join(f"<tr{classes[i] if classes else ''}>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>"
+                   for i, row in enumerate(rows))
+    return f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _plan_code(plan: Plan) -> tuple[str]:
+    full = ", ".join(f"{name}={dtype}" for name, dtype in plan.items())
+    return (f'<code title="{html.escape(full[:2000])}">{plan_id(plan)}</code>',)
+
+
+def _figure(alt: str, uri: str, caption: str) -> str:
+    return (f'<figure><img alt="{html.escape(alt)}" src="{uri}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def trials_section(rows: list[Row]) -> str:
+    """The numbered table of evaluated trials: the numbers are those on the plots."""
+    header = ["#", "plan id", "plan", "source", "accuracy", "loss", "latency/fp32 in trial (speedup)",
+              "plan ms ± IQR (fp32 ms) in trial", "result", "chosen"]
+    body, classes = [], []
+    for row in rows:
+        timing = (f"{_fmt(row.latency_ms, '{:.3f}')} ± {_fmt(row.spread_ms, '{:.3f}')} "
+                  f"({_fmt(row.fp32_ms, '{:.3f}')})" if row.latency_ms is not None else "-")
+        result = f"<span class='{row.outcome.lower()}'>{row.outcome}</span>"
+        if row.error is not None:
+            result += f"<small title='{html.escape(row.error)}'>{html.escape(row.error[:80])}</small>"
+        ratio = f"{row.ratio:.3f} ({row.speedup:.2f}x)" if row.ratio else "-"
+        body.append([row.number, _plan_code(row.plan), summarize(row.plan), row.source, _fmt(row.accuracy),
+                     _fmt(row.loss), ratio, timing, (result,),
+                     ("<strong>&#9733; chosen</strong>",) if row.chosen else ""])
+        classes.append(f' id="trial-{row.number}"' + (' class="chosen"' if row.chosen else ""))
+    caption = ("One row per evaluated trial, numbered as on the plots; trials that reused an earlier result "
+               "are left out. Latency/fp32 is one timing of the plan against fp32 within that trial; hover a "
+               "plan id for the whole plan.")
+    return (f"<h2 id='trials'>Trials</h2><p class='caption'>{html.escape(caption)}</p>"
+            + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
+
+
+def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
+    """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing."""
+    if chosen is None:
+        return "<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: the tuning run has not finished.</p>"
+    trial = chosen.trial
+    source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
+              else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
+    rows = [["accuracy", _fmt(baseline), _fmt(chosen.accuracy) + " (re-evaluated)"],
+            ["speedup vs fp32", "1.00x", f"{chosen.speedup:.2f}x (re-timed)"],
+            ["plan", "fp32", (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan))}",)],
+            ["first evaluated in", "-", (source,)]]
+    if trial is not None and trial.speedup is not None:
+        rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
+                                          f"accuracy {_fmt(trial.accuracy)}"])
+    rows += [[key.replace("_", " "), "-", _fmt(value) if isinstance(value, float) else str(value)]
+             for key, value in chosen.extra.items()]
+    caption = ("The chosen plan is the one the tuner returned: after the search, the best passing plans were "
+               "timed again together with fp32 and the fastest was re-evaluated. Its speedup here is from that "
+               "re-timing, so it can differ from the single timing its trial took.")
+    if is_baseline(chosen.plan):
+        caption = "No lowered plan both met the tolerance and ran faster than fp32 when re-timed: fp32 is kept."
+    return ("<h2 id='chosen'>Baseline vs best (chosen plan)</h2>"
+            + _table(["", "fp32 baseline", "chosen plan"], rows)
+            + f"<p class='caption'>{html.escape(caption)}</p>")
+
+
+SETTING_LABELS = {"device": "device", "device_name": "device name", "num_threads": "threads while timing",
+                  "warmup": "warm-up calls", "repeats": "timed calls per model in a trial",
+                  "torch": "torch version", "tolerable_loss": "tolerable loss", "loss_kind": "loss kind",
+                  "higher_is_better": "higher is better", "objective": "objective"}
+
+
+def timing_section(rows: list[Row], settings: dict[str, Any]) -> str:
+    """The device the study was timed on, and how much its timings moved."""
+    parts = ["<h2 id='timing'>Device and timing spread</h2>"]
+    if settings:
+        ordered = [k for k in SETTING_LABELS if k in settings] + [k for k in settings if k not in SETTING_LABELS]
+        parts.append(_table(["setting", "value"], [[SETTING_LABELS.get(k, k), settings[k]] for k in ordered]))
+    else:
+        parts.append("<p>This study does not record the device it was timed on.</p>")
+    fp32 = [r.fp32_ms for r in rows if r.fp32_ms]
+    spreads = [r.spread_ms / r.latency_ms for r in rows if r.latency_ms and r.spread_ms is not None]
+    stats = []
+    if fp32:
+        stats.append(["fp32 latency, timed once in each trial", f"median {statistics.median(fp32):.3f} ms, "
+                      f"range {min(fp32):.3f} to {max(fp32):.3f} ms ({len(fp32)} trials)"])
+    if spreads:
+        stats.append(["plan timing IQR / median, within a trial",
+                      f"median {statistics.median(spreads):.1%}, worst {max(spreads):.1%}"])
+    if stats:
+        parts.append(_table(["timing", "value"], stats))
+        parts.append("<p class='caption'>Every trial times fp32 again beside its plan: the range shows how much "
+                     "timings on this device move from trial to trial, the IQR how much they scatter within one. "
+                     "A trial's latency ratio rests on one such timing; the chosen plan's speedup on a longer "
+                     "re-timing after the search.</p>")
+    return "".join(parts)
+
+
+def modules_section(sensitivity: dict, latency: dict, chosen: Chosen | None) -> str:
+    """The per-module signals as a chart, and the chosen plan module by module."""
+    plan = chosen.plan if chosen else None
+    parts = ["<h2 id='modules'>Per-module signals</h2>"]
+    if sensitivity or latency:
+        shown = shown_modules(sensitivity, latency)
+        note = "" if len(shown) == len(set(sensitivity) | set(latency)) else \
+            f" Only the {len(shown)} modules slowest in fp32 are drawn."
+        parts.append(_figure("per-module sensitivity and latency", module_chart(sensitivity, latency, plan),
+                             "Measured before the search, one module lowered at a time: left, the model's output "
+                             "error (relative L2 against fp32); right, the module's own latency. Brackets: the "
+                             "chosen plan's dtype." + note))
+    else:
+        parts.append("<p>No per-module signals are recorded on this study.</p>")
+    if plan:
+        parts.append("<h3>Chosen plan per module</h3>" + _table(
+            ["module", "dtype", "output error", "module ms (fp32)", "module ms (chosen dtype)"],
+            [[name, dtype, _fmt(sensitivity.get(name, {}).get(dtype), "{:.3g}"),
+              _fmt(latency.get(name, {}).get("fp32")), _fmt(latency.get(name, {}).get(dtype))]
+             for name, dtype in plan.items()]))
+    return "".join(parts)
+
+
+STYLE = ("body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;padding:0 1em;color:#222}"
+         "table{border-collapse:collapse;margin:0.5em 0 1em;font-size:0.9em}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"
+         "th{background:#f0f0f0}tr.chosen td{background:#fff3c4}"
+         "span.fail,span.error{color:#b00000;font-weight:600}span.pass{color:#1a7f37}"
+         "figure{margin:0.5em 0 1.5em}img{max-width:100%;height:auto}"
+         ".caption,figcaption{color:#555;font-size:0.9em;max-width:80em}code{font-size:0.95em}"
+         "nav a{margin-right:1em}table.trials td{white-space:nowrap}"
+         "table.trials td small{display:block;white-space:normal;max-width:18em;color:#555}")
+
+
+def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, settings: dict[str, Any]) -> str:
+    reused = sum(bool(t.user_attrs.get("duplicate")) for t in study.trials)
+    pending = sum(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in study.trials)
+    lost = len(study.trials) - len(rows) - reused - pending   # their process died mid-trial, say
+    errors = sum(r.error is not None for r in rows)
+    device = settings.get("device_name") or settings.get("device")
+    return (f"<h1>autotune study {html.escape(study.study_name)}</h1>"
+            f"<p>{len(rows)} plans evaluated ({errors} of them with an eval_fn error) in {len(study.trials)} "
+            f"trials; {reused} reused an earlier result, {lost} ended without one, {pending} running or queued. "
+            f"Baseline accuracy {_fmt(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
+            + "</p><nav><a href='#chosen'>chosen plan</a><a href='#plot'>accuracy vs latency</a>"
+            "<a href='#trials'>trials</a><a href='#history'>history</a><a href='#timing'>timing</a>"
+            "<a href='#modules'>modules</a></nav>")
+
+
+def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None, settings: dict[str, Any]) -> str:
+    done = sum(r.ratio is not None for r in rows)
+    caption = ("Each point is a trial, numbered as in the table below, at the speedup its plan showed when timed "
+               "once against fp32 within that trial. The star is the chosen plan at its speedup re-timed after "
+               "the search; the dotted arrow starts at its own trial's point.")
+    if done > LABEL_LIMIT:
+        caption += f" With more than {LABEL_LIMIT} trials only the Pareto front and the chosen plan are numbered."
+    chart = accuracy_latency_chart(rows, chosen, baseline, tolerance_limit(baseline, settings))
+    return "<h2 id='plot'>Accuracy vs latency</h2>" + _figure("accuracy vs latency", chart, caption)
+
+
+def _history_section(rows: list[Row], chosen: Chosen | None) -> str:
+    caption = ("The best passing speedup found so far (1 / in-trial latency ratio) by trial number, and each "
+               "trial's own. These are single timings taken within each trial; the dashed line is the chosen "
+               "plan's speedup re-timed after the search, which is what the tuner reports.")
+    return ("<h2 id='history'>Optimisation history</h2>"
+            + _figure("optimisation history", history_chart(rows, chosen), caption))
 
 
 def html_report(study: optuna.Study) -> str:
-    trials = list(studies.view_trials(study).finished.values())
+    """The report of `study` as one self-contained HTML page (ASCII, non-ASCII as character references)."""
+    rows, chosen = trial_rows(study)
     baseline = studies.get_attr(study, "baseline_accuracy")
-    best = studies.get_attr(study, "best")
-    latency = studies.get_attr(study, "module_latency_ms") or {}
-    parts = [f"<h1>autotune study {html.escape(study.study_name)}</h1>",
-             f"<p>{len(trials)} evaluated plans; {len(study.trials)} trials in all.</p>"]
-    if trials:
-        png = base64.b64encode(scatter_png(trials, baseline)).decode()
-        parts.append(f'<h2>Accuracy vs latency</h2><img alt="accuracy vs latency" src="data:image/png;base64,{png}">')
-    if best:
-        parts.append("<h2>Baseline vs best</h2>" + _table(
-            ["", "fp32 baseline", "best"],
-            [["accuracy", _number(baseline), _number(best["accuracy"])],
-             ["speedup", "1.00x", f"{best['speedup']:.2f}x"],
-             ["plan", "fp32", summarize(best["plan"])]]))
-        parts.append("<h2>Best plan per module</h2>" + _table(
-            ["module", "dtype", "module ms (fp32)", "module ms (chosen)"],
-            [[name, dtype, _number(latency.get(name, {}).get("fp32")), _number(latency.get(name, {}).get(dtype))]
-             for name, dtype in best["plan"].items()]))
-    else:
-        parts.append("<p>No best plan recorded yet: the tuning run has not finished.</p>")
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:4px 8px}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>autotune {html.escape(study.study_name)}"
-            f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>")
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+    settings = studies.get_attr(study, "settings") or {}
+    timed = any(r.ratio is not None for r in rows)
+    parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline),
+             _plot_section(rows, chosen, baseline, settings) if timed else "", trials_section(rows),
+             _history_section(rows, chosen) if timed else "", timing_section(rows, settings),
+             modules_section(studies.get_attr(study, "sensitivity") or {},
+                             studies.get_attr(study, "module_latency_ms") or {}, chosen)]
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            f"<title>autotune {html.escape(study.study_name)}</title><style>{STYLE}</style></head>"
+            f"<body>{''.join(parts)}</body></html>")
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")

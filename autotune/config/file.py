@@ -222,7 +222,7 @@ def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") 
         raise ConfigError(f"{source}: {exc}", exc.errors) from None
 
 
-def _where(path: Path, text: str, position: int) -> str:
+def _where(path: Path | str, text: str, position: int) -> str:
     """`file:line:column` of a character offset."""
     line_start = text.rfind("\n", 0, position) + 1
     return f"{path}:{text.count(chr(10), 0, position) + 1}:{position - line_start + 1}"
@@ -248,20 +248,29 @@ def load_config(path: str | os.PathLike) -> FileConfig:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{_where(path, raw.decode('utf-8', 'replace'), exc.start)}: not UTF-8 text "
                           f"(byte {raw[exc.start]:#04x})") from None
+    return parse_config(read_yaml(text, str(path)), path.parent, str(path))
+
+
+def read_yaml(text: str, source: str) -> dict:
+    """The mapping a YAML config's text holds, not yet validated.
+
+    Raises:
+        ConfigError: naming `source` and the line of a syntax error, or saying the text is not a mapping.
+    """
     try:
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
     except yaml.reader.ReaderError as exc:
-        raise ConfigError(f"{_where(path, text, exc.position)}: YAML syntax error: character {exc.character!r} "
+        raise ConfigError(f"{_where(source, text, exc.position)}: YAML syntax error: character {exc.character!r} "
                           "is not allowed in YAML") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: YAML error: {exc}") from None
+        raise ConfigError(f"{source}: YAML error: {exc}") from None
     except RecursionError:
-        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
+        raise ConfigError(f"{source}: YAML nested too deeply to read") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with model, evaluation and tuning; "
+        raise ConfigError(f"{source}: expected a mapping with model, evaluation and tuning; "
                           f"got {type(data).__name__}")
-    return parse_config(data, path.parent, str(path))
+    return data

@@ -2,11 +2,13 @@
 in one run, so drift on a shared machine hits all of them alike."""
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,6 +38,19 @@ def fixed_threads(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (from /proc/cpuinfo on Linux), else the machine type."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _stats(samples_s: list[float]) -> LatencyStats:
