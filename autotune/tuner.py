@@ -8,7 +8,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -146,10 +146,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
 
 
 @_fewer_collections()
-def search(runner: TrialRunner, started: float) -> str:
-    """Runs trials until the budget (max_trials, timeout, patience) is spent; all processes share it.
-    Returns why the search stopped."""
-    reason = run_search(runner, runner.config, started + (runner.config.timeout or math.inf))
+def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | None] | None = None) -> str:
+    """Runs trials until the budget (max_trials, timeout, patience) is spent, all processes sharing it, or
+    `should_stop` gives a reason. Returns why the search stopped."""
+    reason = run_search(runner, runner.config, started + (runner.config.timeout or math.inf), should_stop)
     runner.run_queued()   # plans re-queued after a crash are retried even when the budget is spent
     return reason
 

@@ -19,7 +19,9 @@ LAYERS = [
     ["autotune.measure"],
     ["autotune.search"],
     ["autotune.result", "autotune.tuner"],
-    ["autotune.cli", "autotune.report", "autotune.workloads", "autotune.__main__", "autotune"],
+    ["autotune.service"],
+    ["autotune.report"],
+    ["autotune.cli", "autotune.workloads", "autotune.__main__", "autotune"],
 ]
 PRIVATE = re.compile(r"optuna\.[a-z_.]*\._|from optuna.*import _|\._storage|\._backend|__pydantic")
 PRIVATE_MODULE = re.compile(r"^(optuna|torch|pydantic|pydantic_core)(\..*)?\._")

@@ -23,3 +23,10 @@ def logged_eval(log_path: str, delay_s: float = 0.3):
         return score
 
     return eval_fn
+
+
+def broken_eval():
+    """An eval_fn whose data cannot be read: it fails at the fp32 baseline."""
+    def eval_fn(model: nn.Module) -> float:
+        raise RuntimeError("the dataset server is down")
+    return eval_fn

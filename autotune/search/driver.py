@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autotune.config.tuning import TuningConfig
@@ -20,9 +21,10 @@ EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (T
 
 @dataclass
 class Budget:
-    """What the search may still spend: evaluations (all processes' together) and time."""
+    """What the search may still spend: evaluations (all processes' together) and time, unless told to stop."""
     max_trials: int
     deadline: float        # time.monotonic() after which no trial starts
+    should_stop: Callable[[], str | None] | None = None    # a reason to stop now (e.g. the job was cancelled)
 
     def left(self, runner: TrialRunner) -> bool:
         return self.spent(runner) is None
@@ -32,7 +34,9 @@ class Budget:
         # runner.evaluated: every worker's evaluations as of the runner's last read of the study
         if runner.evaluated >= self.max_trials:
             return f"max_trials ({self.max_trials}) evaluated trials reached"
-        return "timeout reached" if time.monotonic() >= self.deadline else None
+        if time.monotonic() >= self.deadline:
+            return "timeout reached"
+        return self.should_stop() if self.should_stop is not None else None
 
 
 @dataclass
@@ -58,17 +62,19 @@ def best_passing_ratio(runner: TrialRunner) -> float:
     return min((o.latency_ratio for o in runner.outcomes.values() if o.passed), default=math.inf)
 
 
-def run_search(runner: TrialRunner, config: TuningConfig, deadline: float) -> str:
+def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
+               should_stop: Callable[[], str | None] | None = None) -> str:
     """Runs trials until the budget or patience is spent.
 
     Args:
         runner: runs plans as trials of the study.
         config: max_trials and patience.
         deadline: time.monotonic() after which no new trial starts.
+        should_stop: asked before each trial; a reason it returns stops the search.
     Returns:
         Why the search stopped, in words.
     """
-    budget = Budget(config.max_trials, deadline)
+    budget = Budget(config.max_trials, deadline, should_stop)
     run_guided(runner, budget)
     patience = Patience(config.patience, best_passing_ratio(runner))
     if runner.space.size <= EXHAUSTIVE_LIMIT:

@@ -2,6 +2,7 @@
 local workers. Any RDB URL Optuna accepts works (PostgreSQL for several machines)."""
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,8 @@ import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
 from autotune.errors import StorageError
+
+SCHEMA_ATTEMPTS = 5
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -61,9 +64,18 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     with warnings.catch_warnings(), storage_errors(url):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        storage = RDBStorage(
-            url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+        for attempt in range(SCHEMA_ATTEMPTS):
+            try:
+                storage = RDBStorage(
+                    url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period,
+                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
+                break
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+                # Several processes created the schema of an empty server database at once; one of them won.
+                if attempt == SCHEMA_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
     if url.startswith("sqlite"):
         sqlalchemy.event.listen(storage.engine, "connect", _sqlite_wal)
         sqlalchemy.event.listen(storage.engine, "begin", _begin_immediate)

@@ -1,4 +1,4 @@
-"""`autotune` command line: tune from a YAML file, inspect, export and report studies, re-apply a plan."""
+"""The study commands: tune from a YAML file, inspect, export and report studies, re-apply a plan."""
 from __future__ import annotations
 
 import json
@@ -14,106 +14,29 @@ from typing import Any
 
 import click
 import optuna
-import sqlalchemy
 import torch
 import yaml
 
 from autotune.capture import example_or_first_batch, record_module_inputs
+from autotune.cli.base import (
+    CliError,
+    load_study,
+    main,
+    missing_sqlite,
+    open_existing_storage,
+    storage_option,
+    writable,
+)
 from autotune.clone import clone
-from autotune.config import DEFAULT_STORAGE, FileConfig, TuningConfig, load_config
+from autotune.config import FileConfig, TuningConfig, load_config
 from autotune.discovery import search_candidates
-from autotune.errors import AutotuneError, PlanError
+from autotune.errors import PlanError
 from autotune.plan import Plan, apply_plan, plan_id, summarize, validate_plan
 from autotune.result import table
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
-from autotune.storage.rdb import open_storage, sqlite_path
+from autotune.storage.rdb import open_storage
 from autotune.tuner import finish, search, start_runner, study_name_for
-
-storage_option = click.option("--storage", default=DEFAULT_STORAGE, show_default=True, help="Optuna storage URL")
-
-
-INPUT_ERROR, INTERRUPTED, UNEXPECTED = 2, 130, 1     # exit codes (README, "YAML files and the CLI")
-
-
-class CliError(click.ClickException):
-    exit_code = INPUT_ERROR
-
-
-class _Group(click.Group):
-    """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
-    Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.exceptions.Exit:
-            raise
-        except (click.ClickException, click.exceptions.Abort):
-            raise
-        except Exception as exc:
-            if ctx.params.get("debug"):
-                raise
-            raise _as_cli_error(exc) from None
-        except KeyboardInterrupt:
-            if ctx.params.get("debug"):
-                raise
-            click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume",
-                       err=True)
-            ctx.exit(INTERRUPTED)
-
-
-def _as_cli_error(exc: Exception) -> click.ClickException:
-    if isinstance(exc, AutotuneError):
-        return CliError(str(exc))
-    if isinstance(exc, sqlalchemy.exc.DBAPIError):
-        return CliError(f"the study storage failed: {' '.join(str(exc.orig).split())}")
-    if isinstance(exc, OSError) and exc.filename:
-        return CliError(f"cannot write or read {exc.filename}: {exc.strerror}")
-    error = click.ClickException(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")
-    error.exit_code = UNEXPECTED
-    return error
-
-
-@click.group(cls=_Group)
-@click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
-def main(debug: bool) -> None:
-    """Accuracy-driven mixed-precision autotuning for PyTorch."""
-    # A config names its model and eval_fn by import path: modules beside it in the working directory import,
-    # as they do with `python -m autotune`.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    optuna.logging.set_verbosity(optuna.logging.ERROR)   # the tuner logs failed trials itself, in one line
-
-
-def writable(out: str) -> str:
-    """`out`, once its folder is known to exist and be writable: checked before any work starts."""
-    folder = Path(out).resolve().parent
-    if not folder.is_dir():
-        raise CliError(f"cannot write {out}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise CliError(f"cannot write {out}: the folder {folder} is not writable")
-    return out
-
-
-def load_study(name: str, storage: str) -> optuna.Study:
-    try:
-        return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
-    except KeyError:
-        raise CliError(f"no study named {name!r} in {storage}; `autotune list --storage {storage}` "
-                       "lists the studies there") from None
-
-
-def missing_sqlite(url: str) -> bool:
-    path = sqlite_path(url)
-    return path is not None and not path.is_file()
-
-
-def open_existing_storage(url: str):
-    # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
-    if missing_sqlite(url):
-        raise CliError(f"no study storage at {url}")
-    return open_storage(url)
 
 
 def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int]:

@@ -1,0 +1,115 @@
+"""The command line's shared parts: the group with its one error path, storage options, output checks."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import optuna
+import sqlalchemy
+
+from autotune.config import DEFAULT_STORAGE
+from autotune.errors import AutotuneError
+from autotune.storage.rdb import open_storage, sqlite_path
+
+
+def resolve_storage(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
+    """--storage, else $AUTOTUNE_STORAGE (click reads it), else the URL in the file $AUTOTUNE_STORAGE_FILE names,
+    else the default: a password need never appear on a command line."""
+    if value:
+        return value
+    if os.environ.get("AUTOTUNE_STORAGE_FILE"):
+        return Path(os.environ["AUTOTUNE_STORAGE_FILE"]).read_text().strip()
+    return DEFAULT_STORAGE
+
+
+storage_option = click.option("--storage", envvar="AUTOTUNE_STORAGE", default=None, callback=resolve_storage,
+                              help=f"Optuna storage URL [default: $AUTOTUNE_STORAGE, the URL in the file "
+                                   f"$AUTOTUNE_STORAGE_FILE names, else {DEFAULT_STORAGE}]")
+
+
+INPUT_ERROR, INTERRUPTED, UNEXPECTED = 2, 130, 1     # exit codes (README, "YAML files and the CLI")
+
+
+class CliError(click.ClickException):
+    exit_code = INPUT_ERROR
+
+
+class _Group(click.Group):
+    """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
+    Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.Exit:
+            raise
+        except (click.ClickException, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if ctx.params.get("debug"):
+                raise
+            raise _as_cli_error(exc) from None
+        except KeyboardInterrupt:
+            if ctx.params.get("debug"):
+                raise
+            click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume",
+                       err=True)
+            ctx.exit(INTERRUPTED)
+
+
+def _as_cli_error(exc: Exception) -> click.ClickException:
+    if isinstance(exc, AutotuneError):
+        return CliError(str(exc))
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        return CliError(f"the study storage failed: {' '.join(str(exc.orig).split())}")
+    if isinstance(exc, OSError) and exc.filename:
+        return CliError(f"cannot write or read {exc.filename}: {exc.strerror}")
+    error = click.ClickException(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")
+    error.exit_code = UNEXPECTED
+    return error
+
+
+@click.group(cls=_Group)
+@click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
+def main(debug: bool) -> None:
+    """Accuracy-driven mixed-precision autotuning for PyTorch."""
+    # A config names its model and eval_fn by import path: modules beside it in the working directory import,
+    # as they do with `python -m autotune`.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    optuna.logging.set_verbosity(optuna.logging.ERROR)   # the tuner logs failed trials itself, in one line
+
+
+def writable(out: str) -> str:
+    """`out`, once its folder is known to exist and be writable: checked before any work starts."""
+    folder = Path(out).resolve().parent
+    if not folder.is_dir():
+        raise CliError(f"cannot write {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"cannot write {out}: the folder {folder} is not writable")
+    return out
+
+
+def load_study(name: str, storage: str) -> optuna.Study:
+    try:
+        return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
+    except KeyError:
+        raise CliError(f"no study named {name!r} in {storage}; `autotune list --storage {storage}` "
+                       "lists the studies there") from None
+
+
+def missing_sqlite(url: str) -> bool:
+    path = sqlite_path(url)
+    return path is not None and not path.is_file()
+
+
+def open_existing_storage(url: str):
+    # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
+    if missing_sqlite(url):
+        raise CliError(f"no study storage at {url}")
+    return open_storage(url)
+
+

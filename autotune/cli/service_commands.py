@@ -1,0 +1,89 @@
+"""The service commands: submit jobs to the study database, run workers on them, list and cancel them."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import click
+import optuna
+
+from autotune.cli.base import main, open_existing_storage, storage_option
+from autotune.config.file import read_yaml
+from autotune.result import table
+from autotune.service.jobs import JobQueue
+from autotune.service.worker import DEFAULT_ALLOW, Worker
+from autotune.storage import study as studies
+from autotune.storage.rdb import open_storage
+
+
+@main.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
+@storage_option
+@click.option("--priority", type=int, default=0, show_default=True, help="higher runs first")
+def submit(config_path: str, storage: str, priority: int) -> None:
+    """Queue a tuning job: the YAML CONFIG, run by `autotune worker` processes on the same storage."""
+    path = Path(config_path)
+    text = path.read_text()
+    read_yaml(text, str(path))        # a syntax error is reported here, not by a worker later
+    job_id = JobQueue(open_storage(storage)).submit(text, str(path.resolve().parent), path.name, priority)
+    click.echo(f"job {job_id} queued")
+
+
+@main.command()
+@storage_option
+@click.option("--allow", "allow", multiple=True, default=DEFAULT_ALLOW, show_default=True,
+              help="fnmatch pattern of the import paths a job may name (repeatable); others are refused")
+@click.option("--exit-when-idle", is_flag=True, help="stop once no job is queued or running")
+@click.option("--poll", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="seconds between looks at an empty queue")
+def worker(storage: str, allow: tuple[str, ...], exit_when_idle: bool, poll: float) -> None:
+    """Run queued jobs (several workers share a job's study and budget)."""
+    logger = logging.getLogger("autotune")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"worker {os.getpid()}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    worked = Worker(open_storage(storage), storage, tuple(allow)).run(exit_when_idle, poll)
+    click.echo(f"worker {os.getpid()}: worked on {worked} jobs; no job is open")
+
+
+def _progress(storage, study_name: str | None) -> tuple[str, str]:
+    """(evaluated trials, best speedup so far) of a job's study."""
+    if study_name is None:
+        return "-", "-"
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        return "-", "-"
+    best = studies.get_attr(study, "best")
+    if best is not None:
+        return str(len(studies.evaluated_trials(study))), f"{best['speedup']:.2f}x"
+    passing = studies.passing_trials(study)
+    ratio = passing[0].values[0] if passing else math.inf
+    return str(len(studies.evaluated_trials(study))), f"{1 / ratio:.2f}x (in trial)" if passing else "-"
+
+
+@main.command()
+@storage_option
+def jobs(storage: str) -> None:
+    """Jobs with their state, trials done and best speedup so far."""
+    rdb = open_existing_storage(storage)
+    rows = [["job", "state", "priority", "config", "submitted", "by", "study", "trials", "best", "reason"]]
+    for job in JobQueue(rdb).all():
+        trials, best = _progress(rdb, job.study_name)
+        rows.append([str(job.id), job.state, str(job.priority), job.config_name,
+                     job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
+                     trials, best, (job.reason or "")[:100]])
+    click.echo(table(rows) if len(rows) > 1 else f"no jobs in {storage}")
+
+
+@main.command()
+@click.argument("job_id", metavar="JOB", type=int)
+@storage_option
+def cancel(job_id: int, storage: str) -> None:
+    """Cancel a queued or running JOB (workers on it stop after their current trial)."""
+    JobQueue(open_existing_storage(storage)).cancel(job_id)
+    click.echo(f"job {job_id} cancelled")

@@ -1,0 +1,127 @@
+"""Tuning jobs, queued in a table of the study database: the YAML text of a config, who submitted it and when, a
+priority, and a state (queued, running, done, failed, cancelled) with its reason.
+
+A plain table rather than a queue library: workers take jobs with `SELECT ... FOR UPDATE SKIP LOCKED` on
+PostgreSQL (SQLite takes the write lock as every transaction begins, which serialises them just as well), and
+the rows stay beside the studies they produce, readable by `autotune jobs` and any SQL client.
+"""
+from __future__ import annotations
+
+import datetime
+import getpass
+import socket
+from dataclasses import dataclass
+
+import sqlalchemy
+from optuna.storages import RDBStorage
+from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, Text
+
+from autotune.errors import AutotuneError
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+OPEN = (QUEUED, RUNNING)     # states a worker may take a job in: several workers share a running job
+
+_metadata = MetaData()
+jobs_table = Table(
+    "autotune_jobs", _metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("config_yaml", Text, nullable=False),
+    Column("config_dir", Text, nullable=False),      # relative dataset paths of the config are read from here
+    Column("config_name", String(512), nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("state", String(16), nullable=False, default=QUEUED),
+    Column("reason", Text),
+    Column("study_name", String(512)),
+    Column("submitted_by", String(256), nullable=False),
+    Column("submitted_at", DateTime, nullable=False),
+    Column("finished_at", DateTime))
+
+
+class JobError(AutotuneError):
+    """A job that does not exist, or cannot be moved to the state asked for."""
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    config_yaml: str
+    config_dir: str
+    config_name: str
+    priority: int
+    state: str
+    reason: str | None
+    study_name: str | None
+    submitted_by: str
+    submitted_at: datetime.datetime
+    finished_at: datetime.datetime | None
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now()
+
+
+class JobQueue:
+    """The jobs of one database, through the engine of its Optuna storage."""
+
+    def __init__(self, storage: RDBStorage):
+        self.engine = storage.engine
+        try:
+            _metadata.create_all(self.engine, checkfirst=True)
+        except sqlalchemy.exc.DatabaseError:   # another process created it between the check and the create
+            if "autotune_jobs" not in sqlalchemy.inspect(self.engine).get_table_names():
+                raise
+
+    def submit(self, config_yaml: str, config_dir: str, config_name: str, priority: int = 0) -> int:
+        """Queues a job; returns its id."""
+        row = dict(config_yaml=config_yaml, config_dir=config_dir, config_name=config_name, priority=priority,
+                   state=QUEUED, submitted_by=f"{getpass.getuser()}@{socket.gethostname()}", submitted_at=_now())
+        with self.engine.begin() as connection:
+            return connection.execute(jobs_table.insert().values(**row)).inserted_primary_key[0]
+
+    def take(self) -> Job | None:
+        """The open job of highest priority (oldest first), marked running; None when no job is open. A running
+        job is shared: a worker joins it while its study has budget left."""
+        order = (jobs_table.c.priority.desc(), jobs_table.c.id)
+        with self.engine.begin() as connection:
+            row = connection.execute(
+                sqlalchemy.select(jobs_table).where(jobs_table.c.state.in_(OPEN)).order_by(*order).limit(1)
+                .with_for_update(skip_locked=True)).mappings().first()
+            if row is None:
+                return None
+            if row["state"] == QUEUED:
+                connection.execute(jobs_table.update().where(jobs_table.c.id == row["id"]).values(state=RUNNING))
+        return Job(**{**row, "state": RUNNING})
+
+    def get(self, job_id: int) -> Job:
+        with self.engine.connect() as connection:
+            row = connection.execute(sqlalchemy.select(jobs_table).where(jobs_table.c.id == job_id)).mappings().first()
+        if row is None:
+            raise JobError(f"no job {job_id} in this storage; `autotune jobs` lists them")
+        return Job(**row)
+
+    def all(self) -> list[Job]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(sqlalchemy.select(jobs_table).order_by(jobs_table.c.id)).mappings().all()
+        return [Job(**row) for row in rows]
+
+    def set_study(self, job_id: int, study_name: str) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(study_name=study_name))
+
+    def end(self, job_id: int, state: str, reason: str | None = None) -> bool:
+        """Moves an open job to `state` (done, failed or cancelled); False if it had ended already."""
+        with self.engine.begin() as connection:
+            moved = connection.execute(
+                jobs_table.update().where(jobs_table.c.id == job_id, jobs_table.c.state.in_(OPEN))
+                .values(state=state, reason=reason and reason[:2000], finished_at=_now()))
+            return moved.rowcount == 1
+
+    def cancel(self, job_id: int) -> None:
+        """Cancels an open job: a queued one never runs, workers on a running one stop after their trial.
+
+        Raises:
+            JobError: no such job, or it has ended already.
+        """
+        job = self.get(job_id)
+        if not self.end(job_id, CANCELLED, "cancelled by the user"):
+            raise JobError(f"job {job_id} is {job.state} already; only queued or running jobs can be cancelled")

@@ -1,0 +1,119 @@
+"""A worker: takes jobs from the queue and runs them, with the tuner's own trials, claims and heartbeats.
+
+Several workers (on one machine or many) share a running job's study and budget. The worker whose search ends
+waits for the job's trials still running elsewhere, then one of them, under the study's "finish" lease,
+verifies the winner and marks the job done. A job that cannot run (malformed YAML, a missing data file, an
+import path its worker does not allow, an eval_fn that fails at the baseline) fails alone with its reason.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from optuna.storages import RDBStorage
+from optuna.trial import TrialState
+
+from autotune.config.file import FileConfig, expand_env_everywhere, parse_config, read_yaml
+from autotune.errors import AutotuneError
+from autotune.plan import summarize
+from autotune.search.trials import TrialRunner, fail_stale_trials
+from autotune.service.jobs import CANCELLED, DONE, FAILED, RUNNING, Job, JobQueue
+from autotune.storage.claims import lease
+from autotune.tuner import finish, search, start_runner
+
+log = logging.getLogger("autotune")
+DEFAULT_ALLOW = ("autotune.workloads.*",)
+IMPORT_FIELDS = (("model", "factory"), ("evaluation", "eval_fn"), ("example_inputs", "factory"))
+
+
+class JobRefused(AutotuneError):
+    """A job names an import path this worker does not allow; nothing of it was run."""
+
+
+def import_paths(data: dict) -> list[tuple[str, str]]:
+    """(field, import path) of every callable a config's raw mapping names."""
+    found = []
+    for section, key in IMPORT_FIELDS:
+        value = data.get(section)
+        if isinstance(value, dict) and isinstance(value.get(key), str):
+            found.append((f"{section}.{key}", value[key]))
+    return found
+
+
+def check_allowed(data: dict, allow: tuple[str, ...]) -> None:
+    """Raises JobRefused naming each import path no `allow` pattern matches; runs none of them."""
+    refused = [f"{field}: {path}" for field, path in import_paths(data)
+               if not any(fnmatchcase(path, pattern) for pattern in allow)]
+    if refused:
+        raise JobRefused(f"refused: {', '.join(refused)} not allowed on this worker (--allow {' '.join(allow)})")
+
+
+def job_config(job: Job, allow: tuple[str, ...]) -> FileConfig:
+    """The job's config, validated on this worker once its import paths are known to be allowed (validating a
+    config imports the modules it names)."""
+    source = f"job {job.id} ({job.config_name})"
+    data = expand_env_everywhere(read_yaml(job.config_yaml, source))
+    check_allowed(data, allow)
+    return parse_config(data, Path(job.config_dir), source)
+
+
+class Worker:
+    def __init__(self, storage: RDBStorage, storage_url: str, allow: tuple[str, ...] = DEFAULT_ALLOW):
+        self.storage, self.storage_url, self.allow = storage, storage_url, allow
+        self.queue = JobQueue(storage)
+
+    def run(self, exit_when_idle: bool = False, poll_s: float = 2.0) -> int:
+        """Runs jobs until none is open (with `exit_when_idle`) or forever; returns how many it worked on."""
+        worked = 0
+        while True:
+            job = self.queue.take()
+            if job is None:
+                if exit_when_idle:
+                    return worked
+                time.sleep(poll_s)
+                continue
+            worked += 1
+            self.run_job(job)
+
+    def run_job(self, job: Job) -> None:
+        started = time.monotonic()
+        try:
+            config = job_config(job, self.allow)
+            tuning = config.tuning.model_copy(update={"storage": self.storage_url})
+            runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
+                                  config.build_example_inputs())
+            self.queue.set_study(job.id, runner.study.study_name)
+            stopped = search(runner, started, should_stop=self._cancelled(job.id))
+            log.info("job %d: search stopped: %s", job.id, stopped)
+            if self.queue.get(job.id).state == RUNNING:
+                self._finish(job, runner, started)
+        except AutotuneError as exc:
+            self._fail(job, str(exc))
+        except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
+            self._fail(job, f"{type(exc).__name__}: {exc}")
+
+    def _cancelled(self, job_id: int) -> Callable[[], str | None]:
+        def check() -> str | None:
+            return "the job was cancelled" if self.queue.get(job_id).state == CANCELLED else None
+        return check
+
+    def _finish(self, job: Job, runner: TrialRunner, started: float) -> None:
+        """Once no trial of the study runs elsewhere, the first worker here verifies the winner."""
+        while runner.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            time.sleep(1.0)
+            fail_stale_trials(runner.study, runner.config.grace_period)
+        with lease(self.storage, runner.study.study_name, "finish", ttl_s=runner.config.grace_period):
+            if self.queue.get(job.id).state != RUNNING:
+                return                 # another worker finished it meanwhile
+            runner.refresh()
+            result = finish(runner, started)
+            self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan)}, "
+                                         f"{result.trials_evaluated} evaluated trials")
+            log.info("job %d done: speedup %.2fx", job.id, result.speedup)
+
+    def _fail(self, job: Job, reason: str) -> None:
+        if self.queue.end(job.id, FAILED, reason):
+            log.warning("job %d failed: %s", job.id, reason)

@@ -1,0 +1,185 @@
+"""The tuning service on a real PostgreSQL server: workers coming up together on an empty database, plan
+claims shared by workers that share no file system state, and the job queue."""
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import optuna
+import resume_workload
+import yaml
+from test_resume_kill import cli_env
+
+from autotune.plan import plan_key
+from autotune.service.jobs import JobQueue
+from autotune.storage.claims import PlanClaims
+from autotune.storage.rdb import open_storage
+from autotune.storage.study import evaluated_trials, trial_plan
+
+WORKERS = 4
+
+
+def _come_up(url: str, barrier) -> str:
+    barrier.wait()
+    try:
+        import optuna
+        storage = open_storage(url)
+        JobQueue(storage)
+        optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
+        PlanClaims(storage, "s").claim("plan", 0)
+        return "ok"
+    except BaseException:
+        return traceback.format_exc()
+
+
+def test_workers_started_at_once_on_an_empty_database_all_come_up(postgres):
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Manager().Barrier(WORKERS)
+    with context.Pool(WORKERS) as pool:
+        answers = pool.starmap(_come_up, [(postgres, barrier)] * WORKERS)
+    assert answers == ["ok"] * WORKERS, "\n".join(a for a in answers if a != "ok")
+
+
+MAX_TRIALS = 10
+
+
+def tune_command(config: Path, storage: str) -> list[str]:
+    return [sys.executable, "-m", "autotune", "tune", str(config), "--storage", storage]
+
+
+def separate_machine_env(tmp_path: Path, index: int) -> dict[str, str]:
+    """Another TMPDIR and home: what two machines would not share (no lock file could join them)."""
+    home = tmp_path / f"machine{index}"
+    (home / "tmp").mkdir(parents=True)
+    return {**cli_env(), "TMPDIR": str(home / "tmp"), "HOME": str(home)}
+
+
+def logged_calls(log: Path) -> list[tuple[str, str]]:
+    return [tuple(line.split()) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_two_workers_sharing_nothing_but_postgresql_evaluate_each_plan_once(tmp_path, postgres):
+    log = tmp_path / "evals.log"
+    config = resume_workload.write_config(
+        tmp_path, "shared", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log),
+                                                                                "delay_s": 0.3}},
+        max_trials=MAX_TRIALS, patience=100, repeats=3)
+    procs = [subprocess.Popen(tune_command(config, postgres), cwd=tmp_path, env=separate_machine_env(tmp_path, i),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(outputs)
+    assert not any("Traceback" in out for out in outputs)
+
+    study = optuna.load_study(study_name="shared", storage=postgres)
+    evaluated = evaluated_trials(study)
+    keys = [plan_key(trial_plan(t)) for t in evaluated]
+    assert len(keys) == len(set(keys)), "a plan was evaluated in two trials"
+    assert MAX_TRIALS <= len(evaluated) < MAX_TRIALS + 2      # one budget for both
+    lowered = collections.Counter(plan for _, plan in logged_calls(log) if "8" in plan)
+    # each lowered plan once in a trial; each worker re-evaluates its winner once when it finishes
+    assert sum(lowered.values()) <= len(evaluated) + 2 and len(lowered) == len(evaluated), lowered
+    assert len({pid for pid, _ in logged_calls(log)}) == 2, "both workers evaluated plans"
+    assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
+
+
+def running_trials(storage: str, name: str) -> int:
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        return 0
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
+
+
+def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, postgres):
+    log = tmp_path / "evals.log"
+    config = resume_workload.write_config(
+        tmp_path, "killed", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log),
+                                                                                "delay_s": 0.5}},
+        max_trials=MAX_TRIALS, patience=100, repeats=3, heartbeat_interval=1, grace_period=3)
+    procs = [subprocess.Popen(tune_command(config, postgres), cwd=tmp_path, env=separate_machine_env(tmp_path, i),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while len(logged_calls(log)) < 3 or running_trials(postgres, "killed") < 2:    # both mid-trial, some done
+        assert time.monotonic() < deadline, "the workers never ran trials side by side"
+        time.sleep(0.1)
+    procs[0].send_signal(signal.SIGKILL)
+    survivor = procs[1].communicate(timeout=600)[0]
+    procs[0].wait()
+    assert procs[1].returncode == 0 and "Traceback" not in survivor, survivor
+
+    study = optuna.load_study(study_name="killed", storage=postgres)
+    evaluated = evaluated_trials(study)
+    keys = [plan_key(trial_plan(t)) for t in evaluated]
+    assert len(keys) == len(set(keys)), "a plan was evaluated in two trials"
+    assert len(evaluated) >= MAX_TRIALS
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING))
+    interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL
+                   and "fail_reason" not in t.user_attrs]
+    assert interrupted, "the kill interrupted no trial"
+    assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
+
+
+def write_job(tmp_path: Path, name: str, evaluation: dict, **tuning) -> Path:
+    return resume_workload.write_config(tmp_path, name, evaluation, max_trials=4, patience=100, repeats=3,
+                                        **tuning)
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env or cli_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_jobs_run_once_each_a_broken_one_fails_alone_and_a_cancelled_one_never_runs(tmp_path, postgres):
+    log = tmp_path / "evals.log"
+    logged = {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.2}}
+    configs = [write_job(tmp_path, "good-a", logged),
+               write_job(tmp_path, "broken", {"eval_fn": "worker_workload:broken_eval"}),
+               write_job(tmp_path, "good-b", logged),
+               write_job(tmp_path, "cancelled", logged)]
+    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
+    ids = []
+    for config in configs:
+        submitted = run_cli("submit", str(config), cwd=tmp_path, env=env)
+        assert submitted.returncode == 0, submitted.stderr
+        ids.append(int(submitted.stdout.split()[1]))
+    assert run_cli("cancel", str(ids[3]), cwd=tmp_path, env=env).returncode == 0
+    allow = ["--allow", "resume_workload:*", "--allow", "worker_workload:*"]
+    workers = [subprocess.Popen([sys.executable, "-m", "autotune", "worker", "--exit-when-idle", "--poll", "0.2",
+                                 *allow], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [worker.communicate(timeout=600)[0] for worker in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+    assert not any("Traceback" in out for out in outputs), "\n".join(outputs)
+
+    jobs = {job.id: job for job in JobQueue(open_storage(postgres)).all()}
+    assert [jobs[i].state for i in ids] == ["done", "failed", "done", "cancelled"]
+    assert "the fp32 baseline evaluation failed" in jobs[ids[1]].reason and "dataset server" in jobs[ids[1]].reason
+    for job_id in (ids[0], ids[2]):
+        study = optuna.load_study(study_name=jobs[job_id].study_name, storage=postgres)
+        keys = [plan_key(trial_plan(t)) for t in evaluated_trials(study)]
+        assert keys and len(keys) == len(set(keys)), "a plan of a job was evaluated twice"
+        assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
+    assert "cancelled" not in {jobs[i].study_name for i in ids if jobs[i].study_name}
+    listed = run_cli("jobs", cwd=tmp_path, env=env).stdout
+    assert all(state in listed for state in ("done", "failed", "cancelled")), listed
+
+
+def test_a_job_naming_an_import_path_the_worker_does_not_allow_runs_nothing(tmp_path, postgres):
+    marker = tmp_path / "ran"
+    config = write_job(tmp_path, "system", {"eval_fn": "worker_workload:logged_eval"})
+    data = yaml.safe_load(config.read_text())
+    data["model"] = {"factory": "os:system", "kwargs": {"command": f"touch {marker}"}}
+    config.write_text(yaml.safe_dump(data))
+    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
+    assert run_cli("submit", str(config), cwd=tmp_path, env=env).returncode == 0
+    worker = run_cli("worker", "--exit-when-idle", "--allow", "worker_workload:*", cwd=tmp_path, env=env)
+    assert worker.returncode == 0 and "Traceback" not in worker.stderr, worker.stderr
+    job = JobQueue(open_storage(postgres)).all()[0]
+    assert job.state == "failed" and "model.factory: os:system" in job.reason and "not allowed" in job.reason
+    assert not marker.exists()
