@@ -2,10 +2,12 @@
 130 for Ctrl-C), never a traceback unless --debug; outputs are checked before any work starts."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -123,3 +125,20 @@ def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_pat
     resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "speedup" in resumed.stdout
+
+
+def test_the_autotune_command_imports_modules_beside_it_and_leaves_no_file_in_the_temp_dir(tmp_path):
+    """The console script (not python -m) finds a config's module in the working directory; plan claims live in
+    the database, so nothing is written under TMPDIR for another local user to tamper with."""
+    (tmp_path / "my_models.py").write_text("from autotune.workloads.mnist import model\n")
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["model"] = {"factory": "my_models:model"}
+    data["tuning"]["max_trials"] = 1
+    config = write_yaml(tmp_path / "c.yaml", data)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = Path(sys.executable).parent / "autotune"
+    done = subprocess.run([str(script), "tune", str(config)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TMPDIR": str(temp)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(temp.iterdir()), f"files left under TMPDIR: {list(temp.iterdir())}"
