@@ -34,19 +34,23 @@ def as_call_inputs(example_inputs: Any) -> CallInputs:
     raise TypeError(f"example_inputs must be a tensor, tuple, dict or (args, kwargs); got {type(example_inputs)}")
 
 
-def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool) -> tuple[Any, CallInputs]:
-    """Calls eval_fn(model) and records the first batch the model sees.
+CALIBRATION_BATCHES = 4   # whole-model batches kept for static activation ranges (the compiled engine)
 
-    With stop_early, eval_fn is abandoned right after that first batch (used when its result is already known).
-    Returns (eval_fn's return value or None, the recorded inputs).
+
+def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool,
+                  batches: int = CALIBRATION_BATCHES) -> tuple[Any, list[CallInputs]]:
+    """Calls eval_fn(model) and records the first `batches` batches the model sees.
+
+    With stop_early, eval_fn is abandoned right after them (used when its result is already known).
+    Returns (eval_fn's return value or None, the recorded inputs, first batch first).
     """
     recorded: list[CallInputs] = []
 
     def hook(module, args, kwargs):
-        if not recorded:
+        if len(recorded) < batches:
             recorded.append((detach_clone(args), detach_clone(kwargs)))
-            if stop_early:
-                raise _Captured
+        if stop_early and len(recorded) >= batches:
+            raise _Captured
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     result = None
@@ -59,7 +63,7 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     if not recorded:
         raise EvalFunctionError("eval_fn never called the model it was given, so no example inputs could be "
                                 "captured; call the model inside eval_fn or pass example_inputs")
-    return result, recorded[0]
+    return result, recorded
 
 
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:
@@ -88,14 +92,14 @@ def to_device(inputs: Any, device: torch.device) -> Any:
     return map_tensors(inputs, lambda t: t.to(device))
 
 
-def example_or_first_batch(model: nn.Module, eval_fn: Callable[[nn.Module], Any], example_inputs: Any,
-                           device: torch.device) -> CallInputs:
-    """`example_inputs` on `device` if given, else the first batch eval_fn feeds `model` (eval_fn is abandoned
-    right after it).
+def example_or_batches(model: nn.Module, eval_fn: Callable[[nn.Module], Any], example_inputs: Any,
+                       device: torch.device) -> list[CallInputs]:
+    """[`example_inputs` on `device`] if given, else the first batches eval_fn feeds `model` (eval_fn is
+    abandoned right after them).
 
     Raises:
         EvalFunctionError: eval_fn never called the model.
     """
     if example_inputs is not None:
-        return to_device(as_call_inputs(example_inputs), device)
+        return [to_device(as_call_inputs(example_inputs), device)]
     return run_capturing(model, eval_fn, stop_early=True)[1]

@@ -28,6 +28,7 @@ class TuningResult:
     eval_calls: int          # eval_fn calls this run made (a resumed run reuses earlier trials)
     trials_evaluated: int    # evaluated trials in the whole study
     wall_time_s: float
+    engine: str = "eager"    # how `model` runs: autotune.engines
 
     @property
     def speedup(self) -> float:
@@ -38,7 +39,7 @@ class TuningResult:
                 ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
-        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}",
+        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}   engine {self.engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         return "\n".join(lines)

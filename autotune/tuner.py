@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import example_or_first_batch, record_module_inputs, run_capturing
+from autotune.capture import example_or_batches, record_module_inputs, run_capturing
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import module_groups, search_candidates
@@ -91,9 +91,9 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     return finish(runner, started)
 
 
-def _baseline(fp32: nn.Module, eval_fn: EvalFn, known: float | None) -> tuple[float, CallInputs]:
-    """eval_fn's score of the fp32 model (unless `known`: eval_fn is then abandoned after one batch), and the
-    first batch it fed the model."""
+def _baseline(fp32: nn.Module, eval_fn: EvalFn, known: float | None) -> tuple[float, list[CallInputs]]:
+    """eval_fn's score of the fp32 model (unless `known`: eval_fn is then abandoned once the batches kept for
+    calibration are recorded), and the first batches it fed the model."""
     try:
         returned, captured = run_capturing(clone(fp32), eval_fn, stop_early=known is not None)
         return (score_of(returned) if known is None else known), captured
@@ -130,17 +130,18 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         eval_calls = 0
         if baseline is None or example_inputs is None:
             eval_calls += 1
-            baseline, inputs = _baseline(fp32, eval_fn, baseline)
+            baseline, batches = _baseline(fp32, eval_fn, baseline)
             studies.set_attr(study, "baseline_accuracy", baseline)
         if example_inputs is not None:
-            inputs = example_or_first_batch(fp32, eval_fn, example_inputs, device)
+            batches = example_or_batches(fp32, eval_fn, example_inputs, device)
+        inputs = batches[0]
         calibration = record_module_inputs(fp32, list(candidates), inputs)
         sensitivity, latency = cached_signals(study, measurer, fp32, candidates, inputs, calibration)
     space = SearchSpace.build(candidates, sensitivity, latency, module_groups(candidates, config))
     log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning", baseline,
              len(candidates), len(space.choices), space.size)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, inputs, calibration, baseline,
-                         config, measurer, callbacks)
+                         config, measurer, callbacks, batches)
     runner.eval_calls = eval_calls
     return runner
 
@@ -157,13 +158,13 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 @_fewer_collections()
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
-    plan, tuned, accuracy, timing = verified_winner(runner)
-    study = runner.study
-    studies.set_attr(study, "best", {"plan": plan, "accuracy": accuracy,
+    winner = verified_winner(runner)
+    timing, study = winner.timing, runner.study
+    studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                      "speedup": timing["fp32"].median_ms / timing["best"].median_ms})
     return TuningResult(
-        model=tuned, plan=plan, study=study,
+        model=winner.model, plan=winner.plan, study=study,
         baseline=Measurement(runner.baseline, timing["fp32"], weight_bytes(runner.fp32)),
-        best=Measurement(accuracy, timing["best"], weight_bytes(tuned)),
+        best=Measurement(winner.accuracy, timing["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
-        wall_time_s=time.monotonic() - started)
+        wall_time_s=time.monotonic() - started, engine=winner.engine)

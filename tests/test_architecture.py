@@ -14,6 +14,7 @@ LAYERS = [
     ["autotune.backends"],
     ["autotune.config.tuning"],
     ["autotune.plan", "autotune.discovery", "autotune.capture", "autotune.dataset_eval"],
+    ["autotune.engines"],
     ["autotune.config"],
     ["autotune.storage"],
     ["autotune.measure"],

@@ -10,14 +10,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import click
 import optuna
 import torch
 import yaml
 
-from autotune.capture import example_or_first_batch, record_module_inputs
+from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
     CliError,
     load_study,
@@ -30,8 +29,9 @@ from autotune.cli.base import (
 from autotune.clone import clone
 from autotune.config import FileConfig, TuningConfig, load_config
 from autotune.discovery import search_candidates
+from autotune.engines import ENGINES, Calibration, get_engine, realise
 from autotune.errors import PlanError
-from autotune.plan import Plan, apply_plan, plan_id, summarize, validate_plan
+from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import table
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
@@ -172,7 +172,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     if best is None:
         raise CliError(f"study {study_name!r} in {storage} has no best plan yet (tuning has not finished)")
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, "baseline_accuracy"),
-            "accuracy": best["accuracy"], "speedup": best["speedup"], "plan": best["plan"]}
+            "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
+            "plan": best["plan"]}
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:
@@ -182,8 +183,9 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         click.echo(text, nl=False)
 
 
-def read_plan(path: str) -> Plan:
-    """A plan file from `autotune export` (JSON or YAML), or a bare {module: dtype} mapping."""
+def read_plan(path: str) -> tuple[Plan, str]:
+    """(plan, engine) of a plan file from `autotune export` (JSON or YAML), or of a bare {module: dtype} mapping
+    (the eager engine)."""
     try:
         data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
     except yaml.YAMLError as exc:
@@ -191,13 +193,16 @@ def read_plan(path: str) -> Plan:
     plan = data.get("plan", data) if isinstance(data, dict) else data
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise CliError(f"{path}: expected a mapping of module name to dtype (or autotune export's output)")
-    return plan
+    engine = data.get("engine", "eager") if "plan" in data else "eager"
+    if engine not in ENGINES:
+        raise CliError(f"{path}: unknown engine {engine!r}; known: {sorted(ENGINES)}")
+    return plan, engine
 
 
-def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
-    """The config's example inputs, else the first batch its eval_fn feeds the model."""
-    return example_or_first_batch(clone(model), config.evaluation.build(), config.build_example_inputs(),
-                                  torch.device(config.tuning.device))
+def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
+    """The config's example inputs, else the first batches its eval_fn feeds the model."""
+    return example_or_batches(clone(model), config.evaluation.build(), config.build_example_inputs(),
+                              torch.device(config.tuning.device))
 
 
 @main.command(name="apply")
@@ -205,21 +210,22 @@ def calibration_inputs(config: FileConfig, model: torch.nn.Module) -> Any:
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="the YAML config the model comes from")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda _c, _p, v: writable(v),
-              help="where to torch.save the tuned model (load it with torch.load(path, weights_only=False))")
+              help="where to save the tuned model (the command says how to load it)")
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     config = load_config(config_path)
-    plan = read_plan(plan_path)
+    plan, engine = read_plan(plan_path)
     model = config.build_model().eval().to(torch.device(config.tuning.device))
     try:
         validate_plan(plan, search_candidates(model, config.tuning))
     except PlanError as exc:
         raise CliError(f"{plan_path}: {exc}") from None
+    batches = calibration_batches(config, model)
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
-    calibration = record_module_inputs(model, lowered, calibration_inputs(config, model))
-    tuned = apply_plan(model, plan, calibration)
-    torch.save(tuned, out)
-    click.echo(f"wrote {out}: {type(model).__name__} with {summarize(plan)}")
+    calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
+    loads_with = get_engine(engine).save(realise(model, plan, engine, calibration), batches[0], out)
+    click.echo(f"wrote {out}: {type(model).__name__} with {summarize(plan)} in the {engine} engine; "
+               f"load it with {loads_with}")
 
 
 @main.command(name="list")

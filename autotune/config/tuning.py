@@ -107,6 +107,10 @@ class TuningConfig(ConfigModel):
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
+    engines: list[Literal["eager", "compiled"]] = Field(
+        default_factory=lambda: ["eager"], min_length=1,
+        description="how the finalists may run: eager (modules swapped) and/or compiled (pt2e int8 + inductor); "
+                    "each finalist is timed in each, the fastest passing one wins")
     objective: Literal["latency", "pareto"] = Field(
         "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
                                "latency vs accuracy loss (study.best_trials)")
@@ -124,7 +128,7 @@ class TuningConfig(ConfigModel):
     grace_period: int = Field(30, ge=2, description="a running trial this long without a heartbeat is marked "
                                                     "FAILED and its plan queued again")
 
-    _single_to_list = field_validator("config_set", mode="before")(lambda value: _as_list(value))
+    _single_to_list = field_validator("config_set", "engines", mode="before")(lambda value: _as_list(value))
 
     @field_validator("device")
     @classmethod

@@ -106,10 +106,12 @@ class TrialRunner:
 
     def __init__(self, study: optuna.Study, claims: PlanClaims, space: SearchSpace, fp32: nn.Module,
                  eval_fn: EvalFn, inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
-                 config: TuningConfig, measurer: Measurer, callbacks: Sequence[TrialCallback] = ()):
+                 config: TuningConfig, measurer: Measurer, callbacks: Sequence[TrialCallback] = (),
+                 batches: list[CallInputs] | None = None):
         self.study, self.claims, self.space, self.fp32, self.eval_fn = study, claims, space, fp32, eval_fn
         self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
         self.measurer = measurer
+        self.batches = batches or [inputs]     # whole-model batches for static ranges (the compiled engine)
         self.callbacks = [*callbacks, self._keep_last]
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}

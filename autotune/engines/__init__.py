@@ -1,0 +1,44 @@
+"""Engines: how a whole plan is realised as a runnable model. `eager` swaps each module for its technique's
+module (autotune.plan.apply_plan); `compiled` exports the model, quantises it with PyTorch 2 export
+quantisation (torchao's X86InductorQuantizer, the plan's fp32 modules left out) and compiles it with inductor,
+so adjacent int8 ops stay int8 and fuse. Which one a plan runs in is decided by timing both."""
+from __future__ import annotations
+
+from torch import nn
+
+from autotune.engines.base import Calibration, Engine, EngineUnavailable
+from autotune.engines.eager import EagerEngine
+from autotune.engines.pt2e import CompiledEngine
+from autotune.plan import Plan
+
+ENGINES: dict[str, Engine] = {"eager": EagerEngine(), "compiled": CompiledEngine()}
+
+
+def realise(fp32: nn.Module, plan: Plan, engine: str, calibration: Calibration) -> nn.Module:
+    """`plan` on a copy of `fp32` in `engine`, reference numerics (what `apply` saves and accuracy is measured on).
+
+    Raises:
+        EngineUnavailable: the engine cannot realise this plan or run this model.
+        KeyError: no engine has that name.
+    """
+    chosen = get_engine(engine)
+    reason = chosen.unsupported(plan)
+    if reason is not None:
+        raise EngineUnavailable(reason)
+    return chosen.build(fp32, plan, calibration)
+
+
+def get_engine(name: str) -> Engine:
+    """The engine called `name`.
+
+    Raises:
+        KeyError: no engine has that name.
+    """
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
+
+
+__all__ = ["Calibration", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES", "get_engine",
+           "realise"]

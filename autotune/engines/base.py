@@ -1,0 +1,44 @@
+"""The one interface every engine implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import nn
+
+from autotune.backends.base import CallInputs
+from autotune.errors import AutotuneError
+from autotune.plan import Plan
+
+
+class EngineUnavailable(AutotuneError):
+    """An engine cannot realise a plan on this model (e.g. export failed on data-dependent control flow)."""
+
+
+@dataclass
+class Calibration:
+    """What the model and its modules really saw: whole-model batches (several, for static ranges) and each
+    module's inputs on the first of them; `variants` keeps modules an engine lowered once, for reuse."""
+    batches: list[CallInputs]
+    modules: dict[str, CallInputs]
+    variants: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+
+    def unsupported(self, plan: Plan) -> str | None:
+        """Why this engine cannot realise `plan`, or None if it can."""
+
+    def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
+        """`plan` realised on a copy of `fp32`, in reference numerics: what accuracy is measured on.
+
+        Raises:
+            EngineUnavailable: the model cannot go through this engine.
+        """
+
+    def runnable(self, built: nn.Module) -> nn.Module:
+        """What runs in deployment and is timed: `built` itself, or compiled."""
+
+    def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
+        """Writes `built` to `path`; returns how to load it."""

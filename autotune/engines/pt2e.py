@@ -1,0 +1,75 @@
+"""The compiled engine: PyTorch 2 export quantisation (torchao's X86InductorQuantizer) realises the plan's int8
+modules with static activation ranges calibrated on several real batches, leaves its fp32 modules out of the
+quantizer, and inductor compiles the result so that quantise / dequantise pairs fuse into int8 kernels."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotune.capture import call
+from autotune.engines.base import Calibration, EngineUnavailable
+from autotune.plan import Plan
+from autotune.tree import map_tensors
+
+REALISED = {"int8", "fp32"}
+
+
+def _dynamic_batch(value):
+    """Every tensor's first dimension free: eval and deployment batches differ in size."""
+    return map_tensors(value, lambda t: {0: torch.export.Dim.AUTO} if t.dim() >= 1 else None)
+
+
+def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
+    """`model` exported on `inputs` with a free batch dimension.
+
+    Raises:
+        EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
+    """
+    args, kwargs = inputs
+    try:
+        return torch.export.export(model, args, kwargs, strict=False,
+                                   dynamic_shapes=_dynamic_batch((args, kwargs)) if kwargs else _dynamic_batch(args))
+    except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise EngineUnavailable(f"torch.export failed: {type(exc).__name__}: {first}") from exc
+
+
+@dataclass(frozen=True)
+class CompiledEngine:
+    name: str = "compiled"
+
+    def unsupported(self, plan: Plan) -> str | None:
+        other = sorted(set(plan.values()) - REALISED)
+        if other:
+            return f"the compiled engine realises int8 and fp32 only, not {other}"
+        if "int8" not in plan.values():
+            return "the plan keeps every module in fp32"
+        return None
+
+    def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+
+        quantizer = xiq.X86InductorQuantizer()
+        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=False))
+        for name, dtype in plan.items():
+            if dtype == "fp32":
+                quantizer.set_module_name_qconfig(name, None)
+        exported = export(fp32, calibration.batches[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")      # torchao warns of APIs it will change, on every call
+            prepared = prepare_pt2e(exported.module(), quantizer)
+            with torch.no_grad():
+                for batch in calibration.batches:
+                    call(prepared, batch)
+            return convert_pt2e(prepared)
+
+    def runnable(self, built: nn.Module) -> nn.Module:
+        return torch.compile(built)
+
+    def save(self, built: nn.Module, inputs, path: str) -> str:
+        torch.export.save(export(built, inputs), path)
+        return "torch.compile(torch.export.load(path).module())"

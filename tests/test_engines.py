@@ -1,0 +1,142 @@
+"""Engines: a plan realised by swapping modules (eager) or through pt2e int8 + inductor (compiled). The compiled
+engine keeps the plan's fp32 modules fp32, a model that cannot be exported falls back to eager with the reason
+on the study, and the engine a winner ran in round-trips through `export` / `apply`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from torch import nn
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.cli import main
+from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, realise
+from autotune.measure import LatencyStats
+
+pytest.importorskip("torchao")
+NAMES = ["0", "2", "4"]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+
+
+def batches(n: int = 3) -> list:
+    generator = torch.Generator().manual_seed(1)
+    return [((torch.randn(16, 32, generator=generator),), {}) for _ in range(n)]
+
+
+def weight_of_each_linear(graph_module: nn.Module) -> dict[str, str]:
+    """{module name: what feeds its linear's weight} read from the converted graph's node metadata."""
+    found = {}
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and "linear" in str(node.target):
+            module = list(node.meta["nn_module_stack"].values())[-1][0]
+            found[module] = "int8" if "dequantize_per_channel" in str(node.args[1].target) else "fp32"
+    return found
+
+
+def test_the_compiled_engine_keeps_the_plans_fp32_modules_fp32():
+    model, plan = mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
+    converted = realise(model, plan, "compiled", Calibration(batches(), {}))
+    assert weight_of_each_linear(converted) == plan
+    x = torch.randn(5, 32)                      # a batch size export never saw
+    with torch.no_grad():
+        reference, out = model(x), converted(x)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+
+
+def test_the_compiled_engine_refuses_what_it_cannot_realise():
+    assert "int8 and fp32 only" in CompiledEngine().unsupported({"0": "bf16", "2": "int8"})
+    with pytest.raises(EngineUnavailable, match="keeps every module in fp32"):
+        realise(mlp(), dict.fromkeys(NAMES, "fp32"), "compiled", Calibration(batches(), {}))
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x):
+        out = self.body(x)
+        return out if out.sum() > 0 else -out
+
+
+class CompiledIsFaster:
+    """Per-module signals that favour int8, and whole-model timings in which a compiled model runs at 0.4 of
+    fp32 and an eager lowered one at 0.7 (no real timing: the tests are about which engine is kept)."""
+
+    def module_signals(self, fp32, candidates, inputs, calibration):
+        return ({n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()},
+                {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()})
+
+    def latency(self, models, inputs, repeats):
+        def ms(name, model):
+            if name == "fp32":
+                return 10.0
+            return 4.0 if type(model).__name__ == "OptimizedModule" else 7.0
+        return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
+
+
+def config(tmp_path, **more) -> TuningConfig:
+    return TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2, max_trials=4,
+                        storage=f"sqlite:///{tmp_path}/e.db", study_name="engines", engines=["eager", "compiled"],
+                        **more)
+
+
+def fidelity(reference_model: nn.Module):
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        reference = reference_model(x)
+
+    def eval_fn(model):
+        with torch.no_grad():
+            return 1 - ((model(x) - reference).norm() / reference.norm()).item()
+    return eval_fn
+
+
+def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_study(tmp_path):
+    model = Branchy().eval()
+    result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())
+    assert result.engine == "eager" and "int8" in result.plan.values()
+    fallback = result.study.user_attrs["autotune.engine_fallback"]
+    assert fallback["engine"] == "compiled" and "torch.export failed" in fallback["reason"]
+
+
+def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkeypatch):
+    model = mlp()
+    result = autotune(model, config(tmp_path), fidelity(model), measurer=CompiledIsFaster(),
+                      example_inputs=batches(1)[0][0][0])
+    assert result.engine == "compiled" and result.study.user_attrs["autotune.best"]["engine"] == "compiled"
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "engine_model.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef model():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))\n\n\n"
+        "def inputs():\n    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))\n\n\n"
+        "def score():\n    return lambda m: 1.0\n")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": "engine_model:model"}, "evaluation": {"eval_fn": "engine_model:score"},
+        "example_inputs": {"factory": "engine_model:inputs"},
+        "tuning": {"storage": f"sqlite:///{tmp_path}/e.db", "study_name": "engines"}}))
+    runner = CliRunner()
+    exported = runner.invoke(main, ["export", "engines", "--storage", f"sqlite:///{tmp_path}/e.db",
+                                    "--out", str(tmp_path / "plan.json")])
+    assert exported.exit_code == 0, exported.output
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["engine"] == "compiled" and saved["plan"] == result.plan
+    applied = runner.invoke(main, ["apply", str(tmp_path / "plan.json"), "--config", str(tmp_path / "c.yaml"),
+                                   "--out", str(tmp_path / "m.pt2")])
+    assert applied.exit_code == 0, applied.output
+    assert "compiled engine" in applied.output and "torch.export.load" in applied.output
+    rebuilt = torch.export.load(str(tmp_path / "m.pt2")).module()
+    assert weight_of_each_linear(rebuilt) == result.plan
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
