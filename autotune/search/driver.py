@@ -6,7 +6,6 @@ trials across all processes, `timeout`); the last two also after `patience` tria
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,25 +40,17 @@ class Budget:
 
 @dataclass
 class Patience:
-    """Evaluated trials since the best passing plan last got faster."""
+    """Evaluated trials since the study's best passing plan last got faster, every worker's together
+    (storage.study.stale_trials), as of the runner's last read of the study."""
     limit: int
-    best: float
-    stale: int = 0
-
-    def note(self, best_now: float) -> None:
-        self.stale = 0 if best_now < self.best else self.stale + 1
-        self.best = best_now
+    runner: TrialRunner
 
     @property
     def spent(self) -> bool:
-        return self.stale >= self.limit
+        return self.runner.stale >= self.limit
 
     def reason(self) -> str:
-        return f"patience: {self.stale} evaluated trials without a faster passing plan"
-
-
-def best_passing_ratio(runner: TrialRunner) -> float:
-    return min((o.latency_ratio for o in runner.outcomes.values() if o.passed), default=math.inf)
+        return f"patience: {self.runner.stale} evaluated trials without a faster passing plan"
 
 
 def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
@@ -76,7 +67,7 @@ def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
     """
     budget = Budget(config.max_trials, deadline, should_stop)
     run_guided(runner, budget)
-    patience = Patience(config.patience, best_passing_ratio(runner))
+    patience = Patience(config.patience, runner)
     if runner.space.size <= EXHAUSTIVE_LIMIT:
         return run_exhaustive(runner, budget, patience)
     return run_sampler(runner, budget, patience)
@@ -102,7 +93,6 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
         # A plan another worker is running is theirs: move on rather than wait for it.
         if key not in runner.outcomes and not runner.held_elsewhere(key):
             runner.run_plan(plan, "exhaustive")
-            patience.note(best_passing_ratio(runner))
     return budget.spent(runner) or (patience.reason() if patience.spent else "every plan of the space was tried")
 
 
@@ -117,7 +107,6 @@ def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
             duplicates += 1
             continue
         duplicates = 0
-        patience.note(best_passing_ratio(runner))
     if duplicates >= 3 * patience.limit:
         return f"the sampler proposed {duplicates} evaluated plans in a row"
     return budget.spent(runner) or patience.reason()

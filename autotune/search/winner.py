@@ -73,7 +73,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
     for name in sorted(models, key=lambda n: timing[n].median_ms):
         if timing[name].median_ms >= timing["fp32"].median_ms:
             break
-        runner.eval_calls += 0   # BROKEN on purpose
+        runner.eval_calls += 1
         finalist = candidates[name]
         try:
             accuracy = score_of(call_with_timeout(runner.eval_fn, clone(finalist.built), config.trial_timeout))

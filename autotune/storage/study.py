@@ -6,8 +6,10 @@ are trial user attributes, so `optuna.load_study` reads them as is.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -104,22 +106,37 @@ class TrialsView:
     failed: set[str]                  # plans whose eval_fn call failed (raised, timed out, no number): not again
     waiting: int                      # queued trials
     evaluated: int                    # trials whose eval_fn call ended
+    stale: int = 0                    # see stale_trials
 
 
-def view_trials(study: optuna.Study) -> TrialsView:
+def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> TrialsView:
     finished: dict[str, FrozenTrial] = {}
     failed: set[str] = set()
-    waiting = evaluated = 0
+    done: list[FrozenTrial] = []
+    waiting = 0
     for trial in study.get_trials(deepcopy=False):
         if trial.state == TrialState.WAITING:
             waiting += 1
         elif _evaluated(trial):
-            evaluated += 1
+            done.append(trial)
             if trial.state == TrialState.COMPLETE:
                 finished.setdefault(trial_plan_key(trial), trial)
             else:
                 failed.add(trial_plan_key(trial))
-    return TrialsView(finished, failed, waiting, evaluated)
+    return TrialsView(finished, failed, waiting, len(done), stale_trials(done, since))
+
+
+def stale_trials(evaluated: list[FrozenTrial], since: datetime.datetime | None) -> int:
+    """Evaluated trials outside the guided phase, ended after `since` by any process, since the study's fastest
+    passing plan last got faster: the patience every worker of a study shares."""
+    best, stale = math.inf, 0
+    for trial in sorted(evaluated, key=lambda t: t.datetime_complete):
+        ratio = trial.values[0] if trial.state == TrialState.COMPLETE and trial.user_attrs.get("passed") else math.inf
+        if ratio < best:
+            best, stale = ratio, 0
+        elif trial.user_attrs.get("source") != "guided" and (since is None or trial.datetime_complete >= since):
+            stale += 1
+    return stale
 
 
 def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
