@@ -42,3 +42,8 @@ bench: bench-install   ## search benchmark vs INC, uniform, random, oracle, simu
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) studies/*.db
+
+# Heavy (4-7 minutes, ~2.5 GB of images): never part of `test`. Needs a docker daemon, or root to start one.
+.PHONY: docker
+docker:                ## build the image, validate docker/compose.yaml, run the stack with a tiny job, clean up
+	bash docker/smoke.sh

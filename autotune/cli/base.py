@@ -12,7 +12,7 @@ import sqlalchemy
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
-from autotune.storage.rdb import open_storage, sqlite_path
+from autotune.storage.rdb import open_storage, shown, sqlite_path
 
 
 def resolve_storage(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
@@ -97,7 +97,7 @@ def load_study(name: str, storage: str) -> optuna.Study:
     try:
         return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
     except KeyError:
-        raise CliError(f"no study named {name!r} in {storage}; `autotune list --storage {storage}` "
+        raise CliError(f"no study named {name!r} in {shown(storage)}; `autotune list` with the same storage "
                        "lists the studies there") from None
 
 
@@ -109,7 +109,7 @@ def missing_sqlite(url: str) -> bool:
 def open_existing_storage(url: str):
     # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
     if missing_sqlite(url):
-        raise CliError(f"no study storage at {url}")
+        raise CliError(f"no study storage at {shown(url)}")
     return open_storage(url)
 
 

@@ -15,7 +15,7 @@ from autotune.result import table
 from autotune.service.jobs import JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
-from autotune.storage.rdb import open_storage
+from autotune.storage.rdb import open_storage, shown
 
 
 @main.command()
@@ -77,7 +77,7 @@ def jobs(storage: str) -> None:
         rows.append([str(job.id), job.state, str(job.priority), job.config_name,
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
                      trials, best, (job.reason or "")[:100]])
-    click.echo(table(rows) if len(rows) > 1 else f"no jobs in {storage}")
+    click.echo(table(rows) if len(rows) > 1 else f"no jobs in {shown(storage)}")
 
 
 @main.command()

@@ -35,7 +35,7 @@ from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import table
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
-from autotune.storage.rdb import open_storage
+from autotune.storage.rdb import open_storage, shown
 from autotune.tuner import finish, search, start_runner, study_name_for
 
 
@@ -103,7 +103,8 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         return
     name, done = evaluated_so_far(model, tuning)
     state = f"resuming after {done} evaluated trials" if done else "new"
-    click.echo(f"study {name!r} in {tuning.storage}: {state}" + (f"; {workers} workers" if workers > 1 else ""))
+    click.echo(f"study {name!r} in {shown(tuning.storage)}: {state}"
+               + (f"; {workers} workers" if workers > 1 else ""))
     command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
                "--study-name", name]
     helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
@@ -170,7 +171,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     study = load_study(study_name, storage)
     best = studies.get_attr(study, "best")
     if best is None:
-        raise CliError(f"study {study_name!r} in {storage} has no best plan yet (tuning has not finished)")
+        raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet (tuning has not finished)")
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, "baseline_accuracy"),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "plan": best["plan"]}
@@ -234,7 +235,7 @@ def list_command(storage: str) -> None:
     """Studies in a storage, with trial counts."""
     summaries = optuna.get_all_study_summaries(open_existing_storage(storage), include_best_trial=False)
     if not summaries:
-        click.echo(f"no studies in {storage}")
+        click.echo(f"no studies in {shown(storage)}")
         return
     rows = [["study", "trials", "baseline", "best accuracy", "speedup"]]
     for summary in summaries:

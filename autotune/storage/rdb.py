@@ -17,6 +17,14 @@ from autotune.errors import StorageError
 SCHEMA_ATTEMPTS = 5
 
 
+def shown(url: str) -> str:
+    """`url` as messages show it: with its password masked."""
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return url
+
+
 def sqlite_path(url: str) -> Path | None:
     """The database file of an `sqlite:///` URL, None for other storages."""
     return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
@@ -31,12 +39,12 @@ def storage_errors(url: str) -> Iterator[None]:
         raise StorageError(f"cannot parse the storage URL {url!r}; expected e.g. sqlite:///studies/autotune.db "
                            "or postgresql+psycopg://user:password@host/database") from None
     except ImportError as exc:
-        raise StorageError(f"no database driver for the storage URL {url!r} is installed ({exc}); for "
+        raise StorageError(f"no database driver for the storage URL {shown(url)!r} is installed ({exc}); for "
                            "PostgreSQL: pip install 'psycopg[binary]'") from None
     except sqlalchemy.exc.DBAPIError as exc:
         reason = " ".join(str(exc.orig).split())
         kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
-        raise StorageError(f"cannot use the study storage {url}: {reason}{kept}") from None
+        raise StorageError(f"cannot use the study storage {shown(url)}: {reason}{kept}") from None
 
 
 def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:

@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.config.tuning import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
+from autotune.storage.rdb import shown
 
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
@@ -53,14 +54,14 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
                                 directions=directions, load_if_exists=True)
     if len(study.directions) != len(directions):
-        raise StudyMismatchError(f"study {study_name!r} in {config.storage} was made for another objective "
+        raise StudyMismatchError(f"study {study_name!r} in {shown(config.storage)} was made for another objective "
                                  f"({len(study.directions)} objectives); use another study_name")
     stored = get_attr(study, "candidates")
     if stored is None:
         set_attr(study, "candidates", candidates)
     elif stored != candidates:
         raise StudyMismatchError(
-            f"study {study_name!r} in {config.storage} was made for other modules or dtypes "
+            f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
             f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
     return study
 
