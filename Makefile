@@ -47,3 +47,19 @@ clean:
 .PHONY: docker
 docker:                ## build the image, validate docker/compose.yaml, run the stack with a tiny job, clean up
 	bash docker/smoke.sh
+
+# The CUDA tests, on a GPU machine and with its own CUDA build of torch (never .venv, whose pinned torch is CPU-only):
+# `make test-gpu` in the checkout there. Wheels of the other dependencies carried in .whl/ are installed into
+# GPU_SITE first; the CUDA tests then fail rather than skip if torch sees no GPU.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/autotune-gpu-site
+CUDA_TESTS ?= tests/test_cuda.py tests/test_backends.py::test_half_backends_on_cuda
+
+.PHONY: test-gpu
+test-gpu:              ## the CUDA tests with the GPU machine's own torch (GPU_PY); other wheels from .whl/
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  f'test-gpu: torch {torch.__version__} in {sys.executable} sees no CUDA device')"
+	if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	  --target $(GPU_SITE) .whl/*.whl; fi
+	AUTOTUNE_REQUIRE_CUDA=1 PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  HF_HUB_OFFLINE=1 $(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(CUDA_TESTS)

@@ -64,3 +64,46 @@ def postgres(postgres_server, request):
         connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
     admin.dispose()
     return postgres_server.replace("/postgres?", f"/{name}?", 1)
+
+
+class RecordedEval:
+    """Wraps an eval_fn and records, at every real call, the plan of the model it was given, read back from the
+    techniques its modules carry: a test counts evaluations itself instead of trusting the tuner's labels."""
+
+    def __init__(self, eval_fn, module_names):
+        self.eval_fn, self.module_names = eval_fn, sorted(module_names)
+        self.plans: list[dict[str, str]] = []
+
+    def __call__(self, model):
+        from autotune.plan import plan_of
+        self.plans.append(plan_of(model, self.module_names))
+        return self.eval_fn(model)
+
+    def keys(self, start: int = 0) -> list[str]:
+        from autotune.plan import plan_key
+        return [plan_key(plan) for plan in self.plans[start:]]
+
+
+def assert_one_call_per_trial(recorded: RecordedEval, start: int, result, trials) -> None:
+    """The real eval_fn calls of one autotune() run, from call `start` on: the fp32 baseline, then one call per
+    trial the run evaluated, with that trial's plan and in trial order, then the winner's re-evaluation; nothing
+    else, and `result.eval_calls` counts them all. (With a deterministic eval_fn the fastest finalist passes its
+    re-evaluation, so exactly the returned plan is re-evaluated, unless fp32 is returned.)"""
+    from autotune.plan import is_baseline, plan_key
+    from autotune.storage.study import trial_plan
+    calls = recorded.keys(start)
+    assert len(calls) == result.eval_calls, f"{len(calls)} real eval_fn calls, the result says {result.eval_calls}"
+    assert is_baseline(recorded.plans[start]), "the first call is not the fp32 baseline"
+    trial_keys = [plan_key(trial_plan(t)) for t in trials]
+    assert calls[1:1 + len(trials)] == trial_keys, "eval_fn calls and evaluated trials differ"
+    verification = calls[1 + len(trials):]
+    assert verification == ([] if is_baseline(result.plan) else [plan_key(result.plan)]), \
+        f"after the trials, eval_fn saw {verification}; the returned plan is {result.plan}"
+
+
+def needs_cuda():
+    """Skips a test where torch sees no CUDA device (the CPU wheel this project pins never does), except under
+    `make test-gpu` (AUTOTUNE_REQUIRE_CUDA=1): there a CUDA test that cannot run fails instead of skipping."""
+    import os
+    return pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("AUTOTUNE_REQUIRE_CUDA") != "1",
+                              reason="needs a CUDA device (make test-gpu on a GPU machine)")

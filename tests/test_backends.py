@@ -3,6 +3,7 @@ import io
 
 import pytest
 import torch
+from conftest import needs_cuda
 from torch import nn
 
 from autotune.backends import get_backend
@@ -63,13 +64,20 @@ def test_unknown_dtype_backend_is_a_clear_error():
         get_backend("int4")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_half_backends_on_cuda(dtype):
+@needs_cuda()
+@pytest.mark.parametrize("dtype,torch_dtype,bound", [("bf16", torch.bfloat16, 2e-2), ("fp16", torch.float16, 5e-3)])
+def test_half_backends_on_cuda(dtype, torch_dtype, bound):
+    torch.manual_seed(0)
     linear, x = nn.Linear(64, 32).cuda(), torch.randn(8, 64, device="cuda")
-    lowered = get_backend(dtype).apply(copy.deepcopy(linear), None)
+    before = {name: tensor.clone() for name, tensor in linear.state_dict().items()}
+    lowered = get_backend(dtype).apply(linear, None)
+    assert {(p.dtype, p.device.type) for p in lowered.parameters()} == {(torch_dtype, "cuda")}
     with torch.inference_mode():
-        assert relative_error(lowered(x), linear(x)) < 2e-2
+        out = lowered(x)
+        assert out.dtype == torch.float32 and out.device.type == "cuda" and out.shape == (8, 32)
+        assert 0 < relative_error(out, linear(x)) <= bound
+    for name, tensor in linear.state_dict().items():      # the module it lowered is left as it was
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "int8"])

@@ -10,6 +10,7 @@ once escaped as other exceptions are kept as plain regression tests at the botto
 """
 from __future__ import annotations
 
+import copy
 import decimal
 import math
 import re
@@ -18,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from autotune.backends import dtype_names
 from autotune.config import MixedPrecisionConfig, TuningConfig
-from autotune.config.file import FileConfig, load_config
+from autotune.config.file import Evaluation, Factory, FileConfig, load_config
 from autotune.errors import ConfigError
 
 DTYPES = tuple(dtype_names())
@@ -126,33 +128,40 @@ unknown_keys = (st.text(min_size=1, max_size=16).filter(lambda key: key not in F
 
 
 # ------------------------------------------------------------------------------------- mapping mutations
-# Each draws a valid config, mutates one thing, and returns (mapping, path): `path` is what a ConfigError's
-# message must name (None where the mutation has to load).
+# Each draws a valid config, mutates one thing, and returns (mapping, path, rejected): `path` is what a
+# ConfigError's message must name (None where the mutation has to load), `rejected` whether the mutation must not
+# load (an unknown key, a non-mapping or non-string key where a config goes); junk in a known field may happen
+# to be valid, and then what loads must honour the documented constraints.
+
+def is_config_mapping(value: Any, fields: list[str]) -> bool:
+    """Whether `value` is a mapping whose keys are all names of `fields` (its values may still be invalid)."""
+    return isinstance(value, dict) and all(isinstance(key, str) and key in fields for key in value)
+
 
 @st.composite
-def with_keys_dropped(draw) -> tuple[dict, None]:
+def with_keys_dropped(draw) -> tuple[dict, None, bool]:
     config = draw(valid_configs)
     kept = draw(st.lists(st.sampled_from(sorted(config)), unique=True)) if config else []
-    return {key: config[key] for key in kept}, None
+    return {key: config[key] for key in kept}, None, False
 
 
 @st.composite
-def with_unknown_key(draw) -> tuple[dict, str]:
+def with_unknown_key(draw) -> tuple[dict, str, bool]:
     config, key = draw(valid_configs), draw(unknown_keys)
     config[key] = draw(junk)
-    return config, key
+    return config, key, True
 
 
 @st.composite
-def with_junk_field(draw) -> tuple[dict, str]:
+def with_junk_field(draw) -> tuple[dict, str, bool]:
     """One known field given a wrong type, an extreme number, NaN/inf, a numeric string, None or nested junk."""
     config, field = draw(valid_configs), draw(st.sampled_from(FIELDS))
     config[field] = draw(junk | extreme_numbers | strings_where_numbers_go | deeply_nested())
-    return config, field
+    return config, field, False
 
 
 @st.composite
-def with_junk_in_config_set(draw) -> tuple[dict, str]:
+def with_junk_in_config_set(draw) -> tuple[dict, str, bool]:
     """config_set as a list of valid entries, then one entry, or one field of it, replaced by junk."""
     config = draw(valid_configs)
     entries = draw(st.lists(mixed_precision_dicts, min_size=1, max_size=3))
@@ -160,14 +169,14 @@ def with_junk_in_config_set(draw) -> tuple[dict, str]:
     target = draw(st.sampled_from(["whole entry", "known field", "unknown key"]))
     if target == "whole entry":
         entries[index] = draw(junk | deeply_nested() | mappings_with_non_string_keys)
-        path = f"config_set.{index}"
+        path, rejected = f"config_set.{index}", not is_config_mapping(entries[index], NESTED_FIELDS)
     else:
         key = draw(st.sampled_from(NESTED_FIELDS) if target == "known field" else
                    st.text(min_size=1, max_size=10).filter(lambda k: k not in NESTED_FIELDS))
         entries[index] = {**entries[index], key: draw(junk | deeply_nested())}
-        path = f"config_set.{index}.{key}"
+        path, rejected = f"config_set.{index}.{key}", target == "unknown key"
     config["config_set"] = entries
-    return config, path
+    return config, path, rejected
 
 
 mutated_mappings = st.one_of(with_keys_dropped(), with_unknown_key(), with_junk_field(),
@@ -199,11 +208,12 @@ def test_valid_configs_load(loader, mapping):
 @FUZZ
 @given(mutated_mappings)
 def test_mutated_config_loads_or_names_the_mutated_field(loader, mutation):
-    mapping, path = mutation
+    mapping, path, rejected = mutation
     if path is None:
         check_loaded_config(LOADERS[loader](mapping))
         return
     error = load_or_config_error(lambda: check_loaded_config(LOADERS[loader](mapping)))
+    assert error is not None or not rejected, f"{path!r} should have been rejected, but this loaded: {mapping!r:.300}"
     if error is not None:
         assert error.errors, f"ConfigError without (path, message) pairs: {error}"
         assert path in str(error), f"the message does not name {path!r}:\n{error}"
@@ -216,9 +226,10 @@ non_mappings = junk.filter(lambda value: not isinstance(value, dict)) | deeply_n
 @FUZZ
 @given(non_mappings | mappings_with_non_string_keys)
 def test_anything_but_a_mapping_of_names_is_a_config_error(data):
+    # deeply_nested() also draws mappings, of unknown keys ("a", "dtype"): rejected all the same.
     error = load_or_config_error(lambda: TuningConfig.from_mapping(data))
-    if error is not None:
-        assert "TuningConfig" in str(error)
+    assert error is not None, f"loaded: {data!r:.200}"
+    assert "TuningConfig" in str(error)
 
 
 def test_unknown_key_is_named_even_when_it_is_not_an_identifier():
@@ -358,6 +369,67 @@ def test_mutated_mnist_yaml_loads_or_is_a_config_error(tmp_path, text):
 @given(yaml_like_text | arbitrary_text | deeply_nested_yaml() | st.binary(max_size=200))
 def test_arbitrary_text_is_a_config_error(tmp_path, content):
     check_config_file(tmp_path / "arbitrary.yaml", content)
+
+
+# The shipped config as data: each section, where its keys go in it, and the names it knows.
+BASE_DATA = yaml.safe_load(BASE_TEXT)
+SECTIONS = {"(top level)": ((), sorted(FileConfig.model_fields)), "model": (("model",), sorted(Factory.model_fields)),
+            "evaluation": (("evaluation",), sorted(Evaluation.model_fields)), "tuning": (("tuning",), FIELDS),
+            "tuning.config_set": (("tuning", "config_set"), NESTED_FIELDS)}
+FUZZ_SECTIONS = settings(FUZZ_FILES, max_examples=40)
+yaml_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda children: st.lists(children, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=8)
+# Keys PyYAML reads as something else than the text (booleans, null): a key test needs the text back.
+YAML_NON_STRINGS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}
+
+
+def write_with(tmp_path: Path, section: str, change: Callable[[dict], Any]) -> Path:
+    """The shipped config with `change` applied to one of its sections (the top level included), as a file."""
+    data = copy.deepcopy(BASE_DATA)
+    where, _ = SECTIONS[section]
+    target = data
+    for key in where:
+        target = target[key]
+    change(target)
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@FUZZ_SECTIONS
+@given(section=st.sampled_from(sorted(SECTIONS)), key=st.from_regex(r"[A-Za-z_][A-Za-z0-9_ -]{0,14}", fullmatch=True),
+       value=yaml_values)
+def test_an_unknown_key_in_any_section_of_a_file_is_a_config_error_naming_it(tmp_path, section, key, value):
+    known = SECTIONS[section][1]
+    if key in known or key.lower() in YAML_NON_STRINGS or key != key.strip():
+        return
+    path = write_with(tmp_path, section, lambda target: target.__setitem__(key, value))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(str(path)) and key in str(info.value), str(info.value)
+
+
+@FUZZ_SECTIONS
+@given(section=st.sampled_from(sorted(SECTIONS)), key=st.integers() | st.booleans() | st.none() | st.floats())
+def test_a_key_that_is_not_a_string_in_any_section_of_a_file_is_a_config_error(tmp_path, section, key):
+    path = write_with(tmp_path, section, lambda target: target.__setitem__(key, 1))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(str(path)), str(info.value)
+
+
+@FUZZ_SECTIONS
+@given(section=st.sampled_from([name for name in SECTIONS if name != "(top level)"]),
+       value=yaml_values.filter(lambda value: not isinstance(value, dict)))
+def test_a_section_that_is_not_a_mapping_is_a_config_error_naming_it(tmp_path, section, value):
+    *parents, name = SECTIONS[section][0]
+    path = write_with(tmp_path, ".".join(parents) or "(top level)", lambda target: target.__setitem__(name, value))
+    if section == "tuning.config_set" and isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return   # a list of entries is a valid config_set shape (the entries themselves are fuzzed above)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(str(path)) and name in str(info.value), str(info.value)
 
 
 def test_unmutated_base_text_loads(tmp_path):

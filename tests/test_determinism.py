@@ -7,7 +7,12 @@ and Optuna's TPE phase alike.
 import sys
 from pathlib import Path
 
+import optuna
+import torch
+from torch import nn
+
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.search import EXHAUSTIVE_LIMIT, SearchSpace
 from autotune.storage.study import trial_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -27,4 +32,44 @@ def test_same_seed_same_trial_plans(storage):
     first = trial_sequence(storage, "first", seed=7)
     second = trial_sequence(storage, "second", seed=7)
     assert [source for source, _ in first].count("sampler") >= 5, "the TPE phase should have run too"
+    assert first == second
+
+
+def linear_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)]).eval()
+
+
+def test_same_stored_signals_same_trial_plans_with_the_real_device_measurer(storage):
+    """On a real device (the CPU here, with DeviceMeasurer timing every trial), what is deterministic: with the
+    same seed, model, eval and the same per-module signals, which the study keeps once measured, the guided and
+    exhaustive phases run the same plans in the same order. (Patience and Optuna's TPE read the measured trial
+    latencies, so this run sets patience out of reach and keeps to a space of at most 256 plans.)"""
+    inputs = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = linear_stack()(inputs)
+
+    def eval_fn(net):
+        with torch.inference_mode():
+            return nn.functional.cosine_similarity(net(inputs), reference, dim=1).mean().item()
+
+    def run(study_name: str) -> list[tuple]:
+        config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=1e-4,
+                              max_trials=12, patience=1000, warmup=1, repeats=3, seed=3, storage=storage,
+                              study_name=study_name)
+        result = autotune(linear_stack(), config, eval_fn, example_inputs=inputs)
+        assert result.study.user_attrs["autotune.candidates"] and SearchSpace.build(
+            result.study.user_attrs["autotune.candidates"], result.study.user_attrs["autotune.sensitivity"],
+            result.study.user_attrs["autotune.module_latency_ms"]).size <= EXHAUSTIVE_LIMIT
+        return [(t.user_attrs.get("source", "sampler"), tuple(sorted(trial_plan(t).items())))
+                for t in result.study.trials]
+
+    first = run("measured")
+    # A second study given the first one's signals, as a resumed run or another worker reads them back.
+    measured = optuna.load_study(study_name="measured", storage=storage).user_attrs
+    second_study = optuna.create_study(study_name="replayed", storage=storage)
+    for key in ("autotune.sensitivity", "autotune.module_latency_ms"):
+        second_study.set_user_attr(key, measured[key])
+    second = run("replayed")
+    assert {source for source, _ in first} == {"guided", "exhaustive"}
     assert first == second

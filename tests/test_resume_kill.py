@@ -2,7 +2,10 @@
 
 The workload (`resume_workload.py`) has one clear answer whatever the latency noise: two of five Linear layers
 are wrecked by int8, so the only passing plans keep them fp32, and the fastest puts the other three in int8.
-Its eval_fn sleeps, so the kill lands while a trial is evaluating. Every wait is bounded.
+Its eval_fn sleeps, so the kill lands while a trial is evaluating, and logs every call it completes
+(`worker_workload.py`), so evaluations are counted from eval_fn's side. The heartbeat is short here (1 s, grace
+2 s) and the resumed run starts after the grace period: the killed trial must then be FAILED and its plan
+retried. Every wait is bounded.
 """
 from __future__ import annotations
 
@@ -17,16 +20,21 @@ from pathlib import Path
 import optuna
 import pytest
 import resume_workload
+import worker_workload
 from optuna.trial import TrialState
 
 TESTS_DIR = Path(__file__).parent
 WAIT_S = 120
 MAX_TRIALS = 6
+HEARTBEAT_S, GRACE_S = 1, 2
 
 
-def write_config(tmp_path: Path) -> Path:
-    return resume_workload.write_config(tmp_path, "resume", {"eval_fn": "resume_workload:fidelity_eval",
-                                                             "kwargs": {"delay_s": 1.2}}, max_trials=MAX_TRIALS)
+def write_config(tmp_path: Path, study_name: str = "resume") -> Path:
+    log = tmp_path / f"{study_name}-evals.log"
+    return resume_workload.write_config(
+        tmp_path, study_name, {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log),
+                                                                                    "delay_s": 1.2}},
+        max_trials=MAX_TRIALS, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
 
 
 def cli_env() -> dict[str, str]:
@@ -63,8 +71,9 @@ def output_of(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:] if log.is_file() else ""
 
 
-def kill_mid_trial(config: Path, tmp_path: Path, study_name: str) -> None:
-    """Starts the tuner; SIGKILLs it once 2+ evaluated trials are COMPLETE and another is inside eval_fn."""
+def kill_mid_trial(config: Path, tmp_path: Path, study_name: str) -> int:
+    """Starts the tuner; SIGKILLs it once 2+ evaluated trials are COMPLETE and another is inside eval_fn. Returns
+    the killed process's id."""
     db, log = tmp_path / "s.db", tmp_path / "run1.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(tune_command(config), cwd=tmp_path, env=cli_env(), stdout=out,
@@ -90,6 +99,7 @@ def kill_mid_trial(config: Path, tmp_path: Path, study_name: str) -> None:
                     break
             time.sleep(0.1)
         assert proc.wait(timeout=30) == -signal.SIGKILL
+        return proc.pid
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -111,7 +121,7 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
     config = write_config(tmp_path)
     storage = f"sqlite:///{tmp_path}/s.db"
 
-    kill_mid_trial(config, tmp_path, "resume")
+    killed_pid = kill_mid_trial(config, tmp_path, "resume")
     # The process is dead: what the storage holds now is exactly what it left behind.
     killed = optuna.load_study(study_name="resume", storage=storage)
     before = {t.number: (t.params, t.values) for t in evaluated_complete(killed)}
@@ -120,6 +130,7 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
     interrupted = running[0]
     assert "autotune.best" not in killed.user_attrs
 
+    time.sleep(GRACE_S + HEARTBEAT_S)   # the killed trial's last heartbeat is now older than the grace period
     output = run_to_end(config, tmp_path, "run2.log")
     assert f"resuming after {len(before)} evaluated trials" in output, output
 
@@ -128,25 +139,33 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
     for number, (params, values) in before.items():   # what finished before the kill is kept as it was
         assert trials[number].state == TrialState.COMPLETE, number
         assert (trials[number].params, trials[number].values) == (params, values), number
-    # The interrupted trial is not counted as finished: still RUNNING, or FAIL once its heartbeat went stale.
-    assert trials[interrupted.number].state in (TrialState.RUNNING, TrialState.FAIL)
+    # The interrupted trial is not counted as finished: the heartbeat check failed it (no reason of its own) ...
+    assert trials[interrupted.number].state == TrialState.FAIL
+    assert "fail_reason" not in trials[interrupted.number].user_attrs
     assert trials[interrupted.number].params == interrupted.params
+    # ... and RetryHeartbeatStaleTrialCallback queued its plan again, which the resumed run evaluated to its end.
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == interrupted.number]
+    assert len(retries) == 1 and retries[0].params == interrupted.params
+    assert retries[0].state == TrialState.COMPLETE and retries[0].user_attrs.get("evaluated")
 
     complete = evaluated_complete(resumed)
     plans = [plan_of(t) for t in complete]
     assert len(plans) == len(set(plans)), f"a plan was evaluated twice: {sorted(t.number for t in complete)}"
     assert len(complete) > len(before), "the resumed run evaluated nothing new"
     assert len(complete) <= MAX_TRIALS
-    # The interrupted plan is evaluated again, to its end, by the resumed run.
     assert plan_of(interrupted) in plans
+    # Counted from eval_fn's own log: every call was one trial's evaluation, in either process.
+    worker_workload.assert_each_call_is_a_trials_evaluation(tmp_path / "resume-evals.log", resumed, {killed_pid})
     best = resumed.user_attrs.get("autotune.best")
     assert best is not None, "the resumed run recorded no best plan"
 
     # A clean, uninterrupted run of the same config (same seed) reaches the same plan.
-    run_to_end(config, tmp_path, "clean.log", "--study-name", "clean")
+    run_to_end(write_config(tmp_path, "clean"), tmp_path, "clean.log")
     clean = optuna.load_study(study_name="clean", storage=storage)
+    worker_workload.assert_each_call_is_a_trials_evaluation(tmp_path / "clean-evals.log", clean, set())
     assert clean.user_attrs["autotune.best"]["plan"] == best["plan"] == resume_workload.expected_plan()
 
     print(f"\nkilled with {len(before)} trials complete (trial {interrupted.number} interrupted); "
-          f"{len(complete)} complete after resume, interrupted trial {trials[interrupted.number].state.name}; "
-          f"clean run {len(evaluated_complete(clean))} complete; best plan {best['plan']}")
+          f"{len(complete)} complete after resume, interrupted trial {trials[interrupted.number].state.name}, "
+          f"retried as trial {retries[0].number}; clean run {len(evaluated_complete(clean))} complete; "
+          f"best plan {best['plan']}")

@@ -36,12 +36,29 @@ def test_sqlite_runs_in_wal_mode_with_normal_sync_a_minute_lock_wait_and_locks_a
         other.close()
 
 
-def _pop_all(url: str) -> list[int]:
+_barrier = None   # set in each pool process: every worker pops (or claims) at the same moment
+
+
+def _share_barrier(barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
+def _pop_in_rounds(url: str) -> list[int]:
+    """Pops one queued trial per round; every round starts when all workers are at the barrier, so each pop races
+    WORKERS - 1 others for the same rows."""
     study = optuna.load_study(study_name="q", storage=open_storage(url))
     popped = []
-    while (trial_id := study._pop_waiting_trial_id()) is not None:   # what study.optimize does for a queued trial
-        popped.append(trial_id)
+    for _ in range(QUEUED // WORKERS):
+        _barrier.wait(timeout=120)
+        trial_id = study._pop_waiting_trial_id()   # what study.optimize does for a queued trial
+        if trial_id is not None:
+            popped.append(trial_id)
     return popped
+
+
+def _racing_pool(context, workers: int):
+    return context.Pool(workers, initializer=_share_barrier, initargs=(context.Barrier(workers),))
 
 
 def test_concurrent_workers_never_pop_the_same_queued_trial(tmp_path):
@@ -49,10 +66,17 @@ def test_concurrent_workers_never_pop_the_same_queued_trial(tmp_path):
     study = optuna.create_study(study_name="q", storage=open_storage(url))
     for index in range(QUEUED):
         study.enqueue_trial({"x": index})
-    with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
-        popped = [trial_id for ids in pool.map(_pop_all, [url] * WORKERS) for trial_id in ids]
+    with _racing_pool(multiprocessing.get_context("spawn"), WORKERS) as pool:
+        per_worker = pool.map(_pop_in_rounds, [url] * WORKERS, chunksize=1)
+    popped = [trial_id for ids in per_worker for trial_id in ids]
     assert sorted(popped) == sorted(set(popped)), "a queued trial was handed to two workers"
     assert len(popped) == QUEUED
+    # Each round had a queued trial for every worker, so each worker got one in every round, and the WORKERS
+    # oldest queued trials went in that round, one to each: the pops raced, they did not take turns.
+    assert [len(ids) for ids in per_worker] == [QUEUED // WORKERS] * WORKERS
+    in_order = sorted(popped)
+    for round_ in range(QUEUED // WORKERS):
+        assert sorted(ids[round_] for ids in per_worker) == in_order[WORKERS * round_:WORKERS * (round_ + 1)]
 
 
 def _study_with_trials(url: str, n: int) -> optuna.Study:
@@ -80,6 +104,7 @@ def test_a_plan_is_claimed_by_one_trial_and_moves_only_from_the_holder_named(tmp
 
 def _claim_all(url: str, number: int) -> dict[str, int]:
     claims = PlanClaims(open_storage(url), "s")
+    _barrier.wait(timeout=120)
     return {f"plan-{k}": claims.claim(f"plan-{k}", number) for k in range(KEYS)}
 
 
@@ -87,8 +112,8 @@ def test_processes_claiming_the_same_plans_at_once_agree_on_one_holder_each(tmp_
     url = f"sqlite:///{tmp_path}/s.db"
     _study_with_trials(url, WORKERS)
     PlanClaims(open_storage(url), "s")     # the tables exist before the race, as after any study's first run
-    with multiprocessing.get_context("spawn").Pool(WORKERS) as pool:
-        seen = pool.starmap(_claim_all, [(url, number) for number in range(WORKERS)])
+    with _racing_pool(multiprocessing.get_context("spawn"), WORKERS) as pool:
+        seen = pool.starmap(_claim_all, [(url, number) for number in range(WORKERS)], chunksize=1)
     for key in seen[0]:
         holders = {answers[key] for answers in seen}
         assert len(holders) == 1, f"{key}: processes disagree about its holder: {holders}"
@@ -147,3 +172,37 @@ def test_a_trial_killed_before_its_heartbeat_started_is_failed_after_the_grace_p
     states = {t.number: t.state for t in study.trials}
     assert states == {orphan.number: optuna.trial.TrialState.FAIL, live.number: optuna.trial.TrialState.RUNNING,
                       requeued.number: optuna.trial.TrialState.FAIL}
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_trial_whose_heartbeat_stopped_is_failed_after_the_grace_period_and_its_plan_queued_again(tmp_path):
+    from autotune.search.trials import RUNNER_ATTR, fail_stale_trials
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db", heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="s", storage=storage)
+    dtype = optuna.distributions.CategoricalDistribution(["int8", "fp32"])
+    dead, live = study.ask({"fc": dtype}), study.ask({"fc": dtype})
+    for trial in (dead, live):
+        trial.set_user_attr(RUNNER_ATTR, f"host:1:abc:{trial.number}")   # both reached the objective
+        storage.record_heartbeat(trial._trial_id)
+    stop = threading.Event()
+
+    def beat() -> None:    # what Optuna's heartbeat thread does for the live trial's process
+        while not stop.wait(0.2):
+            storage.record_heartbeat(live._trial_id)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        fail_stale_trials(study, grace_period=2)     # within the grace period: nothing is failed
+        assert {t.number: t.state.name for t in study.trials} == {dead.number: "RUNNING", live.number: "RUNNING"}
+        time.sleep(3)                                # past the grace period without a beat from `dead`
+        fail_stale_trials(study, grace_period=2)
+    finally:
+        stop.set()
+        beating.join()
+    trials = study.trials
+    assert [t.state.name for t in trials[:2]] == ["FAIL", "RUNNING"]
+    assert "fail_reason" not in trials[dead.number].user_attrs      # failed by the check, not by its eval_fn
+    queued = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
+    assert len(queued) == 1 and queued[0].params == trials[dead.number].params
+    assert queued[0].system_attrs.get("failed_trial") == dead.number    # RetryHeartbeatStaleTrialCallback's mark

@@ -3,8 +3,11 @@ tolerance, the tuner's mixed plan meets it. The metric is embedding fidelity: me
 mean-pooled sentence embeddings to the fp32 model's."""
 import pytest
 import torch
+from conftest import RecordedEval, assert_one_call_per_trial
 
 from autotune import MixedPrecisionConfig, TuningConfig, apply_plan, autotune
+from autotune.plan import plan_key
+from autotune.storage.study import evaluated_trials, trial_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,16 +35,26 @@ def encoder_and_eval():
 
 
 def test_mixed_plan_passes_where_all_int8_misses(encoder_and_eval, storage):
-    model, eval_fn = encoder_and_eval
+    model, score = encoder_and_eval
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    all_int8_loss = 1.0 - eval_fn(apply_plan(model, {name: "int8" for name in linears}))
+    all_int8_loss = 1.0 - score(apply_plan(model, {name: "int8" for name in linears}))
     assert all_int8_loss > 0
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=all_int8_loss / 2,
                           max_trials=10, repeats=5, storage=storage, study_name="bert")
+    eval_fn = RecordedEval(score, linears)
     result = autotune(model, config, eval_fn)
 
-    assert not config.passes(result.baseline.accuracy, 1.0 - all_int8_loss)
     assert set(result.plan) == set(linears)
-    assert config.passes(result.baseline.accuracy, eval_fn(result.model))
+    assert config.passes(result.baseline.accuracy, score(result.model))
     assert "int8" in result.plan.values() and "fp32" in result.plan.values()
-    assert result.eval_calls <= 12
+    trials = evaluated_trials(result.study)
+    assert len(trials) <= 10
+    assert_one_call_per_trial(eval_fn, 0, result, trials)     # eval_calls counted from eval_fn's own calls
+    assert len({plan_key(trial_plan(t)) for t in trials}) == len(trials)
+    # What the study records agrees with the tolerance, and the winner is a plan that passed as a trial with the
+    # accuracy its re-evaluation found (the eval is deterministic).
+    for trial in trials:
+        assert trial.user_attrs["passed"] == config.passes(result.baseline.accuracy, trial.user_attrs["accuracy"])
+    winner = [t for t in trials if trial_plan(t) == result.plan]
+    assert len(winner) == 1 and winner[0].user_attrs["passed"]
+    assert winner[0].user_attrs["accuracy"] == pytest.approx(result.best.accuracy, abs=1e-6)
