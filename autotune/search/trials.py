@@ -157,10 +157,10 @@ class TrialRunner:
         self.claim(trial, key)
         known = self.outcomes.get(key)
         duplicate = known is not None or key in self.failed
-        # Set either way: a trial re-queued after a crash arrives with its stale trial's attributes.
+        # Both set either way: a trial re-queued after a crash arrives with its stale trial's attributes.
         trial.set_user_attr("evaluated", not duplicate)
+        trial.set_user_attr("duplicate", duplicate)
         if duplicate:   # spend no eval_fn call: tell the sampler the stored result
-            trial.set_user_attr("duplicate", True)
             if known is None:
                 raise TrialFailed("this plan failed in an earlier trial")
             if self.config.objective == "latency":
