@@ -84,3 +84,10 @@ def assert_each_call_is_a_trials_evaluation(log: Path, study: optuna.Study, kill
         rest = calls[position:]
         assert len(rest) <= 1 and set(rest) <= passing, \
             f"process {pid}: eval_fn calls {rest} after its trials {[t.number for t in mine]}"
+
+
+def broken_eval():
+    """An eval_fn whose data cannot be read: it fails at the fp32 baseline."""
+    def eval_fn(model: nn.Module) -> float:
+        raise RuntimeError("the dataset server is down")
+    return eval_fn
