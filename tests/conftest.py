@@ -107,3 +107,23 @@ def needs_cuda():
     import os
     return pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("AUTOTUNE_REQUIRE_CUDA") != "1",
                               reason="needs a CUDA device (make test-gpu on a GPU machine)")
+
+
+class HalfCostMeasurer:
+    """Every module in a lowered dtype costs half its fp32 time (no timing noise, no time spent measuring); the
+    plan of each timed model is read back from the modules at `names`."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def module_signals(self, fp32, candidates, inputs, calibration):
+        return ({name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()},
+                {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()})
+
+    def latency(self, models, inputs, repeats):
+        from autotune.measure import LatencyStats
+        from autotune.plan import plan_of
+
+        def ms(model):
+            return sum(1.0 if dtype == "fp32" else 0.5 for dtype in plan_of(model, self.names).values())
+        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}

@@ -14,29 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HalfCostMeasurer
 from torch import nn
 
-from autotune import MixedPrecisionConfig, TuningConfig, autotune, plan_of
-from autotune.measure import LatencyStats
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
 
 pytest.importorskip("optuna_dashboard", reason="optuna-dashboard is not installed (it is pinned in requirements.txt)")
 
 DASHBOARD = Path(sys.executable).with_name("optuna-dashboard")
 NAMES = ["0", "1", "2"]
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class HalfCostMeasurer:
-    """Every module in a lowered dtype costs half its fp32 time (no timing noise, no time spent measuring)."""
-
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        return ({name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()},
-                {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()})
-
-    def latency(self, models, inputs, repeats):
-        def ms(model):
-            return sum(1.0 if dtype == "fp32" else 0.5 for dtype in plan_of(model, NAMES).values())
-        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
 
 
 def tuned_study(storage: str, study_name: str):
@@ -50,7 +37,7 @@ def tuned_study(storage: str, study_name: str):
 
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=4, storage=storage, study_name=study_name)
-    return autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer()).study
+    return autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer(NAMES)).study
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import HalfCostMeasurer
 from torch import nn
 
 from autotune import (
@@ -22,7 +23,6 @@ from autotune import (
 )
 from autotune.backends import dtype_names, get_backend, technique_of
 from autotune.clone import clone
-from autotune.measure import LatencyStats
 from autotune.plan import apply_plan, summarize
 
 NAMES = ["0", "1", "2"]
@@ -45,19 +45,6 @@ class RoundedLinearConfig(Technique):
         return rounded
 
 
-class HalfCostMeasurer:
-    """Every module in a lowered dtype costs half its fp32 time; plans are read back from the models."""
-
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        return ({name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()},
-                {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()})
-
-    def latency(self, models, inputs, repeats):
-        def ms(model):
-            return sum(1.0 if dtype == "fp32" else 0.5 for dtype in plan_of(model, NAMES).values())
-        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
-
-
 @pytest.fixture
 def rounded():
     technique = register_technique(RoundedLinearConfig())
@@ -75,7 +62,7 @@ def test_a_new_technique_is_a_dtype_configs_accept_and_the_tuner_chooses(tmp_pat
 
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["rounded", "fp32"]), tolerable_loss=0.05,
                           max_trials=6, storage=f"sqlite:///{tmp_path}/t.db", study_name="toy")
-    result = autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer())
+    result = autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer(NAMES))
     assert result.plan == {name: "rounded" for name in NAMES}
     assert plan_of(result.model, NAMES) == result.plan
     assert all(technique_of(result.model.get_submodule(name)) == rounded for name in NAMES)
