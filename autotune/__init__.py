@@ -7,7 +7,7 @@ from autotune.backends import (
                                register_technique,
                                unregister_technique,
 )
-from autotune.config import MixedPrecisionConfig, TuningConfig, load_config
+from autotune.config import LatencyInput, MixedPrecisionConfig, TuningConfig, load_config
 from autotune.errors import (
                                AutotuneError,
                                ConfigError,
@@ -21,8 +21,8 @@ from autotune.plan import Plan, apply_plan, plan_of
 from autotune.result import Measurement, TuningResult
 from autotune.tuner import autotune
 
-__all__ = ["autotune", "TuningConfig", "MixedPrecisionConfig", "load_config", "TuningResult", "Measurement",
-           "LatencyStats", "Measurer", "Plan", "apply_plan", "plan_of", "Technique", "CastConfig",
+__all__ = ["autotune", "TuningConfig", "MixedPrecisionConfig", "LatencyInput", "load_config", "TuningResult",
+           "Measurement", "LatencyStats", "Measurer", "Plan", "apply_plan", "plan_of", "Technique", "CastConfig",
            "Int8DynamicLinearConfig", "Int8StaticConv2dConfig", "register_technique", "unregister_technique",
            "AutotuneError", "ConfigError", "EvalFunctionError", "NoTunableModulesError", "PlanError",
            "StudyMismatchError"]

@@ -43,6 +43,7 @@ class Row:
     passed: bool
     error: str | None            # why the evaluation failed, for a failed trial
     chosen: bool
+    by_shape: dict[str, dict[str, float]]   # {shape: ratio, latency_ms, latency_spread_ms, fp32_latency_ms, ...}
 
     @property
     def speedup(self) -> float | None:
@@ -74,7 +75,7 @@ def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str]) -> Row:
                attrs.get("accuracy_loss"), trial.values[0] if complete and trial.values else None,
                attrs.get("latency_ms"), attrs.get("latency_spread_ms"), attrs.get("fp32_latency_ms"),
                bool(attrs.get("passed")) and complete, None if complete else str(attrs.get("fail_reason", "failed")),
-               chosen)
+               chosen, dict(attrs.get("latency_by_shape") or {}))
 
 
 def trial_rows(study: optuna.Study) -> tuple[list[Row], Chosen | None]:
@@ -318,7 +319,8 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
 
 
 SETTING_LABELS = {"device": "device", "device_name": "device name", "num_threads": "threads while timing",
-                  "warmup": "warm-up calls", "repeats": "timed calls per model in a trial",
+                  "warmup": "warm-up calls",
+                  "repeats": "most timing rounds per model in a trial (fewer once the comparison settles)",
                   "torch": "torch version", "tolerable_loss": "tolerable loss", "loss_kind": "loss kind",
                   "higher_is_better": "higher is better", "objective": "objective"}
 
@@ -347,6 +349,34 @@ def timing_section(rows: list[Row], settings: dict[str, Any]) -> str:
                      "A trial's latency ratio rests on one such timing; the chosen plan's speedup on a longer "
                      "re-timing after the search.</p>")
     return "".join(parts)
+
+
+def shapes_section(rows: list[Row], chosen: Chosen | None, weights: dict[str, float]) -> str:
+    """Plan × shape, as torch.utils.benchmark's Compare lays it out: the passing trials' latency at every shape
+    (median ± IQR, ratio to fp32 timed beside it), and the chosen plan's re-timed speedups. Only with 2+ shapes."""
+    if len(weights) < 2:
+        return ""
+    header = ["plan", *(f"{name} (weight {weight:g})" for name, weight in weights.items()), "weighted ratio"]
+    body = []
+    if chosen is not None and chosen.extra.get("speedup_by_shape"):
+        speedups = chosen.extra["speedup_by_shape"]
+        body.append([("<strong>chosen</strong> (re-timed)",),
+                     *(f"{speedups[name]:.2f}x" if name in speedups else "-" for name in weights),
+                     f"{1 / chosen.speedup:.3f}"])
+    passing = sorted((r for r in rows if r.passed and r.by_shape), key=lambda r: r.ratio)[:8]
+    for row in passing:
+        cells = []
+        for name in weights:
+            t = row.by_shape.get(name)
+            cells.append("-" if t is None else f"{t['latency_ms']:.3f} ± {t['latency_spread_ms']:.3f} ms "
+                                               f"({t['ratio']:.3f}; fp32 {t['fp32_latency_ms']:.3f})")
+        body.append([(f"<a href='#trial-{row.number}'>#{row.number}</a> {html.escape(summarize(row.plan))}",),
+                     *cells, f"{row.ratio:.3f}"])
+    caption = ("Latency at every shape the study measures (latency_inputs): each passing trial's plan, median ± "
+               "IQR with its ratio to fp32 timed beside it, fastest first by the weighted mean of those ratios "
+               "(the objective). The chosen plan's row gives its speedups from the re-timing after the search.")
+    return ("<h2 id='shapes'>Latency by shape</h2>" + _table(header, body)
+            + f"<p class='caption'>{html.escape(caption)}</p>")
 
 
 def modules_section(sensitivity: dict, latency: dict, chosen: Chosen | None) -> str:
@@ -424,7 +454,8 @@ def html_report(study: optuna.Study) -> str:
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
     parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline),
-             _plot_section(rows, chosen, baseline, settings) if timed else "", trials_section(rows),
+             _plot_section(rows, chosen, baseline, settings) if timed else "",
+             shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "", timing_section(rows, settings),
              modules_section(studies.get_attr(study, "sensitivity") or {},
                              studies.get_attr(study, "module_latency_ms") or {}, chosen)]

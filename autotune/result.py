@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import optuna
 from torch import nn
@@ -18,6 +18,19 @@ class Measurement:
     weight_bytes: int
 
 
+@dataclass(frozen=True)
+class ShapeLatency:
+    """fp32 and the tuned model timed together at one of the shapes latency is measured at."""
+    name: str
+    weight: float
+    fp32: LatencyStats
+    best: LatencyStats
+
+    @property
+    def speedup(self) -> float:
+        return self.fp32.median_ms / self.best.median_ms
+
+
 @dataclass
 class TuningResult:
     model: nn.Module
@@ -29,10 +42,14 @@ class TuningResult:
     trials_evaluated: int    # evaluated trials in the whole study
     wall_time_s: float
     engine: str = "eager"    # how `model` runs: autotune.engines
+    shapes: list[ShapeLatency] = field(default_factory=list)   # every shape timed; baseline/best: the first
 
     @property
     def speedup(self) -> float:
-        return self.baseline.latency.median_ms / self.best.latency.median_ms
+        """fp32 latency / tuned latency; with several shapes, 1 / the weighted mean of their latency ratios."""
+        if not self.shapes:
+            return self.baseline.latency.median_ms / self.best.latency.median_ms
+        return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)
 
     def summary(self) -> str:
         rows = [("", "fp32 baseline", "tuned"),
@@ -42,6 +59,10 @@ class TuningResult:
         lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}   engine {self.engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
+        if len(self.shapes) > 1:
+            lines.insert(1, table([("shape", "weight", "fp32 ms", "tuned ms", "speedup"),
+                                   *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),
+                                      f"{s.speedup:.2f}x") for s in self.shapes)]))
         return "\n".join(lines)
 
 

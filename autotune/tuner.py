@@ -23,8 +23,9 @@ from autotune.discovery import module_groups, search_candidates
 from autotune.errors import EvalFunctionError
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
+from autotune.measure.shapes import latency_shapes
 from autotune.measure.size import weight_bytes
-from autotune.result import Measurement, TuningResult
+from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
 from autotune.search.space import SearchSpace
 from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials, score_of
@@ -136,12 +137,14 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
             batches = example_or_batches(fp32, eval_fn, example_inputs, device)
         inputs = batches[0]
         calibration = record_module_inputs(fp32, list(candidates), inputs)
-        sensitivity, latency = cached_signals(study, measurer, fp32, candidates, inputs, calibration)
+        shapes = latency_shapes(config, inputs, device)
+        studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
+        sensitivity, latency = cached_signals(study, measurer, fp32, candidates, inputs, calibration, shapes)
     space = SearchSpace.build(candidates, sensitivity, latency, module_groups(candidates, config))
     log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning", baseline,
              len(candidates), len(space.choices), space.size)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, inputs, calibration, baseline,
-                         config, measurer, callbacks, batches)
+                         config, measurer, callbacks, batches, shapes)
     runner.eval_calls = eval_calls
     return runner
 
@@ -159,12 +162,15 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
     winner = verified_winner(runner)
-    timing, study = winner.timing, runner.study
+    study, first = runner.study, winner.by_shape[runner.shapes[0].name]
+    shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
+                           winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
-                                     "speedup": timing["fp32"].median_ms / timing["best"].median_ms})
+                                     "speedup": 1.0 / winner.ratio,
+                                     "speedup_by_shape": {shape.name: shape.speedup for shape in shapes}})
     return TuningResult(
         model=winner.model, plan=winner.plan, study=study,
-        baseline=Measurement(runner.baseline, timing["fp32"], weight_bytes(runner.fp32)),
-        best=Measurement(winner.accuracy, timing["best"], weight_bytes(winner.model)),
+        baseline=Measurement(runner.baseline, first["fp32"], weight_bytes(runner.fp32)),
+        best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
-        wall_time_s=time.monotonic() - started, engine=winner.engine)
+        wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes)

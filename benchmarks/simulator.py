@@ -144,17 +144,17 @@ class SimMeasurer:
         self.sim = sim
         self.rng = np.random.default_rng(seed)
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
+    def sensitivity(self, fp32, candidates, inputs, calibration):
         sim, rng = self.sim, self.rng
-        sensitivity, latency = {}, {}
-        for name, dtypes in candidates.items():
-            i = int(name)
-            sensitivity[name] = {d: 0.0 if d == "fp32" else
-                                 float(math.sqrt(sim.loss[d][i]) * rng.lognormal(0.0, sim.proxy_sigma))
-                                 for d in dtypes}
-            latency[name] = {d: float(sim.cost_ms[i] * sim.ratio[d][i] * (1 + rng.normal(0, 0.03)))
-                             for d in dtypes}
-        return sensitivity, latency
+        return {name: {d: 0.0 if d == "fp32" else
+                       float(math.sqrt(sim.loss[d][int(name)]) * rng.lognormal(0.0, sim.proxy_sigma)) for d in dtypes}
+                for name, dtypes in candidates.items()}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        sim, rng = self.sim, self.rng
+        return {name: {d: float(sim.cost_ms[int(name)] * sim.ratio[d][int(name)] * (1 + rng.normal(0, 0.03)))
+                       for d in dtypes}
+                for name, dtypes in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         out = {}

@@ -72,8 +72,11 @@ class TimedMeasurer(Stopwatch):
         super().__init__()
         self.inner = inner
 
-    def module_signals(self, *args, **kwargs):
-        return self.call(self.inner.module_signals, *args, **kwargs)
+    def sensitivity(self, *args, **kwargs):
+        return self.call(self.inner.sensitivity, *args, **kwargs)
+
+    def module_latency(self, *args, **kwargs):
+        return self.call(self.inner.module_latency, *args, **kwargs)
 
     def latency(self, *args, **kwargs):
         return self.call(self.inner.latency, *args, **kwargs)

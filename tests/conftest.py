@@ -116,9 +116,11 @@ class HalfCostMeasurer:
     def __init__(self, names: list[str]):
         self.names = names
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        return ({name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()},
-                {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()})
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return {name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         from autotune.measure import LatencyStats

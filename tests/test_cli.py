@@ -110,6 +110,31 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
     assert accuracy >= 0.99 * accuracy_eval(*digits(500))(reference)
 
 
+def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned):
+    folder, config, storage, _ = tuned
+    plan_file = folder / "bench.json"
+    assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    result = run("bench", str(plan_file), "--config", str(config), "--shapes", "1,8", "--repeats", "3",
+                 env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert "MNISTNet" in result.output and "fp32" in result.output    # torch.utils.benchmark's Compare table
+    lines = {line.split(" (weight")[0]: line for line in result.output.splitlines() if "(weight 1)" in line}
+    assert set(lines) == {"batch 1", "batch 8"}
+    for line in lines.values():
+        speedup, plan_ms, fp32_ms = map(float, re.search(
+            r": ([\d.]+)x fp32 +\(plan ([\d.]+) ± [\d.]+ ms, fp32 ([\d.]+) ± [\d.]+ ms, 3 rounds\)", line).groups())
+        assert speedup == pytest.approx(fp32_ms / plan_ms, rel=0.02)
+    assert "weighted over the shapes:" in result.output
+
+
+@pytest.mark.parametrize("shapes", ["0,8", "one", "1,,2"])
+def test_bench_refuses_shapes_that_are_not_batch_sizes(tuned, shapes):
+    folder, config, _, _ = tuned
+    plan = write_yaml(folder / "fp32plan.yaml", {"features.0": "fp32"})
+    result = run("bench", str(plan), "--config", str(config), "--shapes", shapes, env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 2 and "--shapes" in result.output and "Traceback" not in result.output, result.output
+
+
 def test_list_shows_studies_with_trial_counts(tuned):
     _, _, storage, _ = tuned
     result = run("list", "--storage", storage)

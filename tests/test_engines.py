@@ -72,9 +72,11 @@ class CompiledIsFaster:
     """Per-module signals that favour int8, and whole-model timings in which a compiled model runs at 0.4 of
     fp32 and an eager lowered one at 0.7 (no real timing: the tests are about which engine is kept)."""
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        return ({n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()},
-                {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()})
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return {n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         def ms(name, model):

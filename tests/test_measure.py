@@ -1,17 +1,47 @@
+import pytest
 import torch
 from torch import nn
+from torch.utils import benchmark
 
 from autotune.measure import fixed_threads, measure_latency, weight_bytes
+from autotune.measure.latency import MIN_ROUNDS, settled
 
 
-def test_interleaved_latency_orders_a_heavier_model_after_a_lighter_one():
+def test_interleaved_latency_orders_a_heavier_model_after_a_lighter_one_and_stops_once_settled():
     light, heavy = nn.Linear(64, 64), nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
     stats = measure_latency({"light": light, "heavy": heavy},
                             {"light": ((torch.randn(64, 64),), {}), "heavy": ((torch.randn(64, 512),), {})},
-                            warmup=1, repeats=5)
-    assert stats["light"].repeats == stats["heavy"].repeats == 5
+                            warmup=1, repeats=40)
+    assert stats["light"].repeats == stats["heavy"].repeats == len(stats["light"].samples_ms)
+    assert MIN_ROUNDS <= stats["light"].repeats < 40   # the ranking is clear long before 40 rounds
     assert stats["light"].spread_ms >= 0
     assert stats["light"].median_ms < stats["heavy"].median_ms
+
+
+@pytest.mark.parametrize(("rounds", "other", "expected"), [
+    (MIN_ROUNDS - 1, [0.5, 0.5], False),                        # never before MIN_ROUNDS
+    (MIN_ROUNDS, [0.5, 0.5, 0.5], True),                        # clearly faster than the reference
+    (6, [0.8, 1.2, 0.9, 1.1, 1.0, 1.15], False),                # wide, and overlapping the reference's 1.0
+    (6, [1.001, 0.999, 1.0, 1.0, 1.002, 0.998], True),          # ties the reference, but to within ±3 %
+])
+def test_a_comparison_settles_when_each_ratio_is_precise_or_apart_from_the_others(rounds, other, expected):
+    samples = {"fp32": [1.0] * rounds, "plan": other}
+    assert settled(samples) is expected
+
+
+def test_three_variants_settle_only_when_the_two_close_ones_are_told_apart_or_precise():
+    rounds = 8
+    noisy_a = [0.60, 0.75, 0.62, 0.71, 0.66, 0.74, 0.61, 0.70]
+    noisy_b = [0.64, 0.72, 0.69, 0.61, 0.73, 0.65, 0.70, 0.62]
+    assert not settled({"fp32": [1.0] * rounds, "a": noisy_a, "b": noisy_b})
+    assert settled({"fp32": [1.0] * rounds, "a": noisy_a, "b": [0.3] * rounds})
+
+
+def test_samples_feed_torch_benchmark_compare():
+    stats = measure_latency({"fp32": nn.Linear(32, 32)}, ((torch.randn(8, 32),), {}), warmup=1, repeats=3,
+                            num_threads=1)
+    compare = benchmark.Compare([stats["fp32"].measurement("latency", "batch 8", "fp32", num_threads=1)])
+    assert "batch 8" in str(compare) and "fp32" in str(compare)
 
 
 def test_threads_are_fixed_while_measuring_and_restored():

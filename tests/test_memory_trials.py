@@ -120,9 +120,8 @@ class FixedModuleCosts(DeviceMeasurer):
     """Real sensitivity and real per-trial timing, but module costs that keep int8 on every layer: the test
     needs all 255 plans in the space, and a dtype timed slower than fp32 on this shared machine is pruned."""
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        sensitivity, _ = super().module_signals(fp32, candidates, inputs, calibration)
-        return sensitivity, {name: {"int8": 0.5, "fp32": 1.0} for name in candidates}
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.5, "fp32": 1.0} for name in candidates}
 
 
 def test_rss_stays_bounded_over_200_trials(tmp_path, one_torch_thread):

@@ -41,10 +41,11 @@ class ScriptedMeasurer:
     def __init__(self, repeats: int):
         self.repeats, self.calls = repeats, 0
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        sensitivity = {n: {d: 0.0 if d == "fp32" else PENALTY[n][d] / 3 for d in ds} for n, ds in candidates.items()}
-        latency = {n: {d: MODULE_COST[d] * FP32_MS / len(NAMES) for d in ds} for n, ds in candidates.items()}
-        return sensitivity, latency
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return {n: {d: 0.0 if d == "fp32" else PENALTY[n][d] / 3 for d in ds} for n, ds in candidates.items()}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {n: {d: MODULE_COST[d] * FP32_MS / len(NAMES) for d in ds} for n, ds in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         self.calls += 1

@@ -33,7 +33,7 @@ def confirm(monkeypatch, whole_model_ms: dict[str, float]) -> tuple[dict, list[l
     net, inputs = model(), ((torch.randn(4, 8),), {})
     calibration = {name: ((torch.randn(4, 8),), {}) for name in CANDIDATES}
     latency = module_latency.confirm_in_context(net, CANDIDATES, ALONE_MS, inputs, calibration, warmup=1, repeats=3,
-                                             num_threads=None, device=torch.device("cpu"))
+                                             num_threads=None)
     return latency, timed
 
 
@@ -62,5 +62,5 @@ def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
     agreeing = {"0": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
     monkeypatch.setattr(module_latency, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))
     latency = module_latency.confirm_in_context(model(), agreeing, ALONE_MS, ((torch.randn(4, 8),), {}), {},
-                                             warmup=1, repeats=3, num_threads=None, device=torch.device("cpu"))
+                                             warmup=1, repeats=3, num_threads=None)
     assert latency is ALONE_MS

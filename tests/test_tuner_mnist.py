@@ -44,7 +44,7 @@ def test_tuned_mnist_is_within_tolerance_faster_than_fp32_and_the_model_is_untou
     assert_measured_dtypes_only(stored, [result.plan, *(trial_plan(t) for t in trials)])
 
     assert set(result.plan) == MODULES
-    assert "int8" in result.plan.values()
+    assert set(result.plan.values()) != {"fp32"}     # which dtypes are fastest depends on the host's CPU
     assert config.passes(result.baseline.accuracy, result.best.accuracy)
     assert config.passes(result.baseline.accuracy, eval_fn.eval_fn(result.model))   # independently re-checked
     assert result.speedup > 1.0                        # fp32 and tuned timed interleaved in one run

@@ -27,10 +27,11 @@ class ScriptedMeasurer:
     """Module "2" measured slower in int8 alone but kept (its cost equals fp32's, as the whole-model check
     leaves it), so the fastest predicted plan keeps it fp32 and the uniform plan differs from it."""
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        sensitivity = {name: {"int8": 0.01, "fp32": 0.0} for name in candidates}
-        latency = {"0": {"int8": 0.5, "fp32": 1.0}, "1": {"int8": 0.5, "fp32": 1.0}, "2": {"int8": 1.0, "fp32": 1.0}}
-        return sensitivity, latency
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.01, "fp32": 0.0} for name in candidates}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {"0": {"int8": 0.5, "fp32": 1.0}, "1": {"int8": 0.5, "fp32": 1.0}, "2": {"int8": 1.0, "fp32": 1.0}}
 
     def latency(self, models, inputs, repeats):
         ratios = TRIAL_RATIO if len(models) == 2 else VERIFY_RATIO   # a trial times its plan against fp32 alone

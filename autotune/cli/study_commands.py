@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -132,7 +133,10 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
 def show(study_name: str, storage: str) -> None:
     """Trials of STUDY as a table, then its best plan."""
     study = load_study(study_name, storage)
-    rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", "result"]]
+    shapes = studies.get_attr(study, "latency_shapes") or {}
+    by_shape = len(shapes) > 1
+    rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", *(["by shape"] if by_shape else []),
+             "result"]]
     for trial in study.trials:
         attrs = trial.user_attrs
         if attrs.get("duplicate"):
@@ -144,7 +148,7 @@ def show(study_name: str, storage: str) -> None:
         plan = studies.trial_plan(trial)
         rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-", summarize(plan),
                      _fmt(attrs.get("accuracy")), _fmt(trial.values[0] if trial.values else None, "{:.3f}"),
-                     outcome])
+                     *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
     click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, 'baseline_accuracy'))}")
     best = studies.get_attr(study, "best")
@@ -152,11 +156,19 @@ def show(study_name: str, storage: str) -> None:
         click.echo("no best plan recorded yet (tuning has not finished)")
         return
     click.echo(f"best: accuracy {best['accuracy']:.4f}, speedup {best['speedup']:.2f}x, {summarize(best['plan'])}")
+    if by_shape:
+        click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())
+                   + "; best speedup by shape: " + ", ".join(f"{name} {speedup:.2f}x" for name, speedup
+                                                            in best.get("speedup_by_shape", {}).items()))
     click.echo(table([["module", "dtype"], *([n, d] for n, d in best["plan"].items())]))
 
 
 def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
     return "-" if value is None else pattern.format(value)
+
+
+def _per_shape(by_shape: dict | None) -> str:
+    return " · ".join(f"{name} {timing['ratio']:.3f}" for name, timing in by_shape.items()) if by_shape else "-"
 
 
 @main.command()
@@ -214,7 +226,23 @@ def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
               help="where to save the tuned model (the command says how to load it)")
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
-    config = load_config(config_path)
+    applied = apply_saved_plan(load_config(config_path), plan_path)
+    loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], out)
+    click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {summarize(applied.plan)} in the {applied.engine} "
+               f"engine; load it with {loads_with}")
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    plan: Plan
+    engine: str
+    fp32: torch.nn.Module
+    built: torch.nn.Module     # the plan in its engine, reference numerics (what `apply` saves)
+    batches: list              # the config's example inputs, or the first batches its eval_fn feeds the model
+
+
+def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
+    """The config's model with the plan file's plan realised in its recorded engine."""
     plan, engine = read_plan(plan_path)
     model = config.build_model().eval().to(torch.device(config.tuning.device))
     try:
@@ -224,9 +252,7 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
     batches = calibration_batches(config, model)
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
-    loads_with = get_engine(engine).save(realise(model, plan, engine, calibration), batches[0], out)
-    click.echo(f"wrote {out}: {type(model).__name__} with {summarize(plan)} in the {engine} engine; "
-               f"load it with {loads_with}")
+    return AppliedPlan(plan, engine, model, realise(model, plan, engine, calibration), batches)
 
 
 @main.command(name="list")

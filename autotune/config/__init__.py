@@ -4,10 +4,11 @@ from autotune.config.tuning import (
                                     DEFAULT_STORAGE,
                                     DEFAULT_STUDIES_DIR,
                                     ConfigModel,
+                                    LatencyInput,
                                     MixedPrecisionConfig,
                                     StrictModel,
                                     TuningConfig,
 )
 
-__all__ = ["DEFAULT_STORAGE", "DEFAULT_STUDIES_DIR", "ConfigModel", "FileConfig", "MixedPrecisionConfig",
-           "StrictModel", "TuningConfig", "load_config", "parse_config"]
+__all__ = ["DEFAULT_STORAGE", "DEFAULT_STUDIES_DIR", "ConfigModel", "FileConfig", "LatencyInput",
+           "MixedPrecisionConfig", "StrictModel", "TuningConfig", "load_config", "parse_config"]

@@ -95,13 +95,14 @@ class Factory(StrictModel):
         return call_factory(self.factory, self.kwargs, field)
 
 
-def call_factory(import_path: str, kwargs: dict[str, Any], field: str) -> Any:
-    """Calls the user's factory; its failure becomes a ConfigError naming the field (no traceback in the CLI)."""
+def call_factory(factory: str | Callable[..., Any], kwargs: dict[str, Any], field: str) -> Any:
+    """Calls the user's factory (a callable, or its import path); its failure becomes a ConfigError naming the
+    field (no traceback in the CLI)."""
     try:
-        return resolve(import_path)(**kwargs)
+        return (resolve(factory) if isinstance(factory, str) else factory)(**kwargs)
     except Exception as exc:
-        raise ConfigError(f"{field}: {import_path}(**{kwargs}) raised {type(exc).__name__}: {exc}",
-                          [(field, str(exc))]) from exc
+        raise ConfigError(f"{field}: {getattr(factory, '__name__', factory)}(**{kwargs}) raised "
+                          f"{type(exc).__name__}: {exc}", [(field, str(exc))]) from exc
 
 
 class DatasetFiles(StrictModel):

@@ -6,12 +6,13 @@ tolerance, lower-is-better metrics and a persistent Optuna storage.
 """
 from __future__ import annotations
 
+import json
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from autotune.backends import dtype_names
@@ -95,6 +96,43 @@ class MixedPrecisionConfig(ConfigModel):
         return list(dict.fromkeys(value))
 
 
+class LatencyInput(ConfigModel):
+    """An input shape the tuned model will serve, and how much its speed-up counts in the objective.
+
+    Give `batch` (the captured batch, its rows cut or repeated to that many) or `factory` (a callable, or in YAML
+    an import path 'package.module:name', called with `kwargs`, returning inputs as example_inputs takes them);
+    neither means the captured batch itself.
+    """
+
+    batch: int | None = Field(None, ge=1)
+    factory: str | Callable[..., Any] | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0, description="its latency ratio's weight in the weighted mean of all shapes'")
+    name: str | None = Field(None, min_length=1, description="default: 'batch N', or the factory's name")
+
+    @field_validator("factory")
+    @classmethod
+    def _import_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and not all(value.partition(":")[::2]):
+            raise ValueError(f"{value!r} is not an import path of the form 'package.module:name'")
+        return value
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> LatencyInput:
+        if self.batch is not None and self.factory is not None:
+            raise ValueError("give batch or factory, not both")
+        if self.kwargs and self.factory is None:
+            raise ValueError("kwargs belong to factory")
+        return self
+
+    def describe(self) -> str:
+        """What the study records of this shape (a callable by its qualified name)."""
+        factory = self.factory if isinstance(self.factory, str) or self.factory is None else \
+            f"{getattr(self.factory, '__module__', '?')}:{getattr(self.factory, '__qualname__', repr(self.factory))}"
+        return json.dumps({"batch": self.batch, "factory": factory, "kwargs": self.kwargs, "weight": self.weight,
+                           "name": self.name}, sort_keys=True, default=str)
+
+
 class TuningConfig(ConfigModel):
     config_set: list[MixedPrecisionConfig] = Field(
         default_factory=lambda: [MixedPrecisionConfig()], min_length=1,
@@ -111,6 +149,8 @@ class TuningConfig(ConfigModel):
         default_factory=lambda: ["eager"], min_length=1,
         description="how the finalists may run: eager (modules swapped) and/or compiled (pt2e int8 + inductor); "
                     "each finalist is timed in each, the fastest passing one wins")
+    latency_inputs: list[LatencyInput] = Field(
+        default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
     objective: Literal["latency", "pareto"] = Field(
         "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
                                "latency vs accuracy loss (study.best_trials)")
@@ -123,12 +163,13 @@ class TuningConfig(ConfigModel):
     device: str = "cpu"
     num_threads: int | None = Field(None, ge=1, description="threads while measuring; default: torch's current")
     warmup: int = Field(3, ge=0)
-    repeats: int = Field(15, ge=3)
+    repeats: int = Field(15, ge=3, description="most timing rounds per comparison; fewer once it is settled")
     heartbeat_interval: int = Field(10, ge=1, description="seconds between a running trial's heartbeats")
     grace_period: int = Field(30, ge=2, description="a running trial this long without a heartbeat is marked "
                                                     "FAILED and its plan queued again")
 
-    _single_to_list = field_validator("config_set", "engines", mode="before")(lambda value: _as_list(value))
+    _single_to_list = field_validator("config_set", "engines", "latency_inputs", mode="before")(
+        lambda value: _as_list(value))
 
     @field_validator("device")
     @classmethod

@@ -1,32 +1,48 @@
-"""Latency. Latencies are medians after warm-up, and variants compared are measured interleaved
-in one run, so drift on a shared machine hits all of them alike."""
+"""Latency, timed with `torch.utils.benchmark.Timer` (explicit thread count, accelerator synchronisation).
+
+Variants compared are timed interleaved, one sample each per round in rotating order, so drift on a shared
+machine hits all of them alike. A sample is one `Timer.blocked_autorange`: a call that warms the variant up again
+after the others ran, then one timed call, or for a call shorter than BLOCK_S a block of ten or more timed as one
+(so the timer's own overhead stays small). Rounds stop once the comparison is settled (see `settled`) or
+after `repeats` rounds.
+"""
 from __future__ import annotations
 
+import math
 import platform
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import benchmark
 
 from autotune.backends.base import CallInputs
 from autotune.capture import call
 
-CPU = torch.device("cpu")
+MIN_ROUNDS = 3
+PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds
+BLOCK_S = 1e-4        # seconds: calls shorter than this are timed in blocks
 
 
 @dataclass(frozen=True)
 class LatencyStats:
     median_ms: float
     spread_ms: float  # interquartile range
-    repeats: int
+    repeats: int      # samples taken
+    samples_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "samples_ms"}
+
+    def measurement(self, label: str, sub_label: str, description: str, num_threads: int) -> benchmark.Measurement:
+        """These samples as torch.utils.benchmark's Measurement, for its `Compare` tables."""
+        spec = benchmark.TaskSpec(stmt="model(*args, **kwargs)", setup="pass", label=label, sub_label=sub_label,
+                                  description=description, num_threads=num_threads)
+        return benchmark.Measurement(number_per_run=1, raw_times=[s / 1e3 for s in self.samples_ms], task_spec=spec)
 
 
 @contextmanager
@@ -53,30 +69,64 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, statistics.median(values), q3
+
+
 def _stats(samples_s: list[float]) -> LatencyStats:
-    ms = sorted(s * 1e3 for s in samples_s)
-    quartiles = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
-    return LatencyStats(statistics.median(ms), quartiles[2] - quartiles[0], len(ms))
+    ms = [s * 1e3 for s in samples_s]
+    q1, median, q3 = _quartiles(ms)
+    return LatencyStats(median, q3 - q1, len(ms), tuple(ms))
+
+
+def settled(samples: dict[str, list[float]], precision: float = PRECISION) -> bool:
+    """Whether more rounds could change the comparison: each variant's per-round ratio to the first variant has
+    a median notch (median ± 1.57 IQR / √rounds) that is narrower than ±precision, or that overlaps no other
+    variant's notch (the first variant's is exactly 1). A single variant settles on its own samples' notch."""
+    names = list(samples)
+    rounds = len(samples[names[0]])
+    if rounds < MIN_ROUNDS:
+        return False
+    reference = samples[names[0]] if len(names) > 1 else [statistics.median(samples[names[0]])] * rounds
+    notches = {}
+    for name in names[1:] or names:
+        q1, median, q3 = _quartiles([a / b for a, b in zip(samples[name], reference)])
+        half = 1.57 * (q3 - q1) / math.sqrt(rounds)
+        notches[name] = (median - half, median + half, half <= precision * median)
+    notches.setdefault(names[0], (1.0, 1.0, True))
+    return all(precise or all(high < low_o or low > high_o for other, (low_o, high_o, _) in notches.items()
+                              if other != name)
+               for name, (low, high, precise) in notches.items())
+
+
+def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], threads: int) -> dict[str, benchmark.Timer]:
+    return {name: benchmark.Timer("model(*args, **kwargs)", num_threads=threads, description=name,
+                                  globals={"model": model, "args": per_model[name][0], "kwargs": per_model[name][1]})
+            for name, model in models.items()}
 
 
 def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
                     warmup: int = 3, repeats: int = 15, num_threads: int | None = None,
-                    device: torch.device = CPU) -> dict[str, LatencyStats]:
-    """Times every model on its inputs (one shared input, or one per model), rounds interleaved."""
+                    precision: float = PRECISION) -> dict[str, LatencyStats]:
+    """Times every model on its inputs (one shared input, or one per model): at least MIN_ROUNDS and at most
+    `repeats` interleaved rounds, fewer once `settled`. Returns per-call statistics of each model's samples.
+    Timer synchronises the accelerator (CUDA) around every block, so device work is timed to its end."""
     per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    samples: dict[str, list[float]] = {name: [] for name in models}
-    with fixed_threads(num_threads), torch.inference_mode():
-        for name, model in models.items():
+    threads = num_threads or torch.get_num_threads()
+    timers = _timers(models, per_model, threads)
+    names = list(models)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    with fixed_threads(threads), torch.inference_mode():
+        for name in names:   # what a first call needs (compilation, lazy initialisation, caches)
             for _ in range(warmup):
-                call(model, per_model[name])
-        for round_index in range(repeats):
-            names = list(models)
-            names = names[round_index % len(names):] + names[:round_index % len(names)]
-            for name in names:
-                sync()
-                start = time.perf_counter()
                 call(models[name], per_model[name])
-                sync()
-                samples[name].append(time.perf_counter() - start)
+        for round_index in range(max(repeats, MIN_ROUNDS)):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
+            if settled(samples, precision):
+                break
     return {name: _stats(times) for name, times in samples.items()}

@@ -10,23 +10,27 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import optuna
-import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.capture import record_module_inputs
 from autotune.config.tuning import TuningConfig
+from autotune.measure import module_latency as per_module
 from autotune.measure.latency import LatencyStats, measure_latency
-from autotune.measure.module_latency import confirm_in_context, module_latency
 from autotune.measure.sensitivity import module_sensitivity
+from autotune.measure.shapes import PerModule, Shape, combine_module_latency
 from autotune.storage import study as studies
-
-PerModule = dict[str, dict[str, float]]
 
 
 class Measurer(Protocol):
-    def module_signals(self, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
-                       calibration: dict[str, CallInputs]) -> tuple[PerModule, PerModule]:
-        """({module: {dtype: output error}}, {module: {dtype: latency ms}}) with one module lowered at a time."""
+    def sensitivity(self, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
+                    calibration: dict[str, CallInputs]) -> PerModule:
+        """{module: {dtype: output error}} with one module lowered at a time, on the calibration inputs."""
+
+    def module_latency(self, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
+                       calibration: dict[str, CallInputs]) -> PerModule:
+        """{module: {dtype: latency ms}} with one module lowered at a time, at the shape of `inputs` (each
+        module called with what it sees in `calibration`, recorded from them)."""
 
     def latency(self, models: dict[str, nn.Module], inputs: CallInputs, repeats: int) -> dict[str, LatencyStats]:
         """Each model's latency, all timed in one interleaved run so they compare as ratios."""
@@ -36,26 +40,43 @@ class Measurer(Protocol):
 class DeviceMeasurer:
     config: TuningConfig
 
-    def module_signals(self, fp32, candidates, inputs, calibration):
-        sensitivity = module_sensitivity(fp32, candidates, inputs, calibration)
-        timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads,
-                      device=torch.device(self.config.device))
-        latency = module_latency(fp32, candidates, calibration, **timing)
-        return sensitivity, confirm_in_context(fp32, candidates, latency, inputs, calibration,
-                                               warmup=self.config.warmup, **timing)
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return module_sensitivity(fp32, candidates, inputs, calibration)
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads)
+        latency = per_module.module_latency(fp32, candidates, calibration, **timing)
+        return per_module.confirm_in_context(fp32, candidates, latency, inputs, calibration,
+                                             warmup=self.config.warmup, **timing)
 
     def latency(self, models, inputs, repeats):
         return measure_latency(models, inputs, warmup=self.config.warmup, repeats=repeats,
-                               num_threads=self.config.num_threads, device=torch.device(self.config.device))
+                               num_threads=self.config.num_threads)
+
+
+def latency_by_shape(measurer: Measurer, models: dict[str, nn.Module], shapes: list[Shape],
+                     repeats: int) -> dict[str, dict[str, LatencyStats]]:
+    """{shape: {model: latency}}: the models timed against each other at each shape in turn."""
+    return {shape.name: measurer.latency(models, shape.inputs, repeats) for shape in shapes}
 
 
 def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
-                   inputs: CallInputs, calibration: dict[str, CallInputs]) -> tuple[PerModule, PerModule]:
-    """The study's per-module signals, measured and stored on first use."""
+                   inputs: CallInputs, calibration: dict[str, CallInputs],
+                   shapes: list[Shape]) -> tuple[PerModule, PerModule]:
+    """The study's per-module signals, measured and stored on first use: sensitivity on the captured inputs,
+    latency at each shape (combined for the weighted objective; each shape's kept too)."""
     sensitivity = studies.get_attr(study, "sensitivity")
     latency = studies.get_attr(study, "module_latency_ms")
     if sensitivity is None or latency is None:
-        sensitivity, latency = measurer.module_signals(fp32, candidates, inputs, calibration)
+        sensitivity = measurer.sensitivity(fp32, candidates, inputs, calibration)
+        per_shape = [measurer.module_latency(fp32, candidates, shape.inputs,
+                                             calibration if shape.inputs is inputs else
+                                             record_module_inputs(fp32, list(candidates), shape.inputs))
+                     for shape in shapes]
+        latency = combine_module_latency(per_shape, shapes)
+        if len(shapes) > 1:
+            studies.set_attr(study, "module_latency_ms_by_shape",
+                             {shape.name: costs for shape, costs in zip(shapes, per_shape)})
         studies.set_attr(study, "sensitivity", sensitivity)
         studies.set_attr(study, "module_latency_ms", latency)
     return sensitivity, latency

@@ -6,7 +6,6 @@ change what a dtype costs (README, "How it searches", has a measured case). `con
 verdicts against the whole model."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
@@ -15,21 +14,21 @@ from autotune.plan import apply_plan, lower_module, uniform_plan
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,
-                   repeats: int, num_threads: int | None, device: torch.device) -> dict[str, dict[str, float]]:
+                   repeats: int, num_threads: int | None) -> dict[str, dict[str, float]]:
     """{module: {dtype: median ms of the module alone on its recorded inputs}}, dtypes interleaved per module."""
     timings: dict[str, dict[str, float]] = {}
     for name, dtypes in candidates.items():
         original = model.get_submodule(name)
         variants = {dtype: lower_module(original, dtype, calibration[name]) for dtype in dtypes}
         stats = measure_latency(variants, calibration[name], warmup=2, repeats=repeats,
-                                num_threads=num_threads, device=device)
+                                num_threads=num_threads)
         timings[name] = {dtype: s.median_ms for dtype, s in stats.items()}
     return timings
 
 
 def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]],
                        inputs: CallInputs, calibration: dict[str, CallInputs], *, warmup: int, repeats: int,
-                       num_threads: int | None, device: torch.device) -> dict[str, dict[str, float]]:
+                       num_threads: int | None) -> dict[str, dict[str, float]]:
     """`latency`, with a dtype kept where the module alone measured it slower than fp32 but the whole model in
     that dtype runs faster than fp32 (timed interleaved with fp32; only dtypes with mixed module verdicts).
 
@@ -43,7 +42,7 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
         return latency
     uniform = {d: apply_plan(model, uniform_plan(candidates, d), calibration) for d in mixed}
     timing = measure_latency({"fp32": model, **uniform}, inputs, warmup=warmup, repeats=repeats,
-                             num_threads=num_threads, device=device)
+                             num_threads=num_threads)
     confirmed = {n: dict(costs) for n, costs in latency.items()}
     for dtype in mixed:
         if timing[dtype].median_ms < timing["fp32"].median_ms:

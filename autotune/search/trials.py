@@ -27,7 +27,8 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.config.tuning import TuningConfig
 from autotune.errors import EvalFunctionError
-from autotune.measure.measurer import Measurer
+from autotune.measure.measurer import Measurer, latency_by_shape
+from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
 from autotune.search.space import SearchSpace
@@ -107,10 +108,11 @@ class TrialRunner:
     def __init__(self, study: optuna.Study, claims: PlanClaims, space: SearchSpace, fp32: nn.Module,
                  eval_fn: EvalFn, inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
                  config: TuningConfig, measurer: Measurer, callbacks: Sequence[TrialCallback] = (),
-                 batches: list[CallInputs] | None = None):
+                 batches: list[CallInputs] | None = None, shapes: list[Shape] | None = None):
         self.study, self.claims, self.space, self.fp32, self.eval_fn = study, claims, space, fp32, eval_fn
         self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
         self.measurer = measurer
+        self.shapes = shapes or [Shape("example", inputs, 1.0)]   # where latency is measured, weighted
         self.batches = batches or [inputs]     # whole-model batches for static ranges (the compiled engine)
         self.callbacks = [*callbacks, self._keep_last]
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
@@ -178,13 +180,19 @@ class TrialRunner:
             trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
             log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
             raise TrialFailed(str(exc)) from exc
-        timing = self.measurer.latency({"fp32": self.fp32, "plan": tuned}, self.inputs, self.config.repeats)
+        by_shape = latency_by_shape(self.measurer, {"fp32": self.fp32, "plan": tuned}, self.shapes,
+                                    self.config.repeats)
+        ratios = {shape: timing["plan"].median_ms / timing["fp32"].median_ms for shape, timing in by_shape.items()}
         loss = self.config.accuracy_loss(self.baseline, accuracy)
-        outcome = Outcome(timing["plan"].median_ms / timing["fp32"].median_ms, loss, self.config.tolerable_loss)
+        outcome = Outcome(weighted_ratio(ratios, self.shapes), loss, self.config.tolerable_loss)
+        timing = by_shape[self.shapes[0].name]
+        shapes = {shape: {"ratio": ratios[shape], "latency_ms": t["plan"].median_ms,
+                          "latency_spread_ms": t["plan"].spread_ms, "fp32_latency_ms": t["fp32"].median_ms,
+                          "fp32_spread_ms": t["fp32"].spread_ms} for shape, t in by_shape.items()}
         for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
                             ("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
                             ("fp32_latency_ms", timing["fp32"].median_ms), ("weight_bytes", weight_bytes(tuned)),
-                            ("plan_summary", summarize(plan))):
+                            ("plan_summary", summarize(plan)), ("latency_by_shape", shapes)):
             trial.set_user_attr(name, value)
         if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)

@@ -10,6 +10,8 @@ from torch import nn
 from autotune.clone import clone
 from autotune.engines import Calibration, EngineUnavailable, get_engine
 from autotune.measure.latency import LatencyStats
+from autotune.measure.measurer import latency_by_shape
+from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key
 from autotune.search.trials import TrialRunner, score_of
 from autotune.storage import study as studies
@@ -32,7 +34,8 @@ class Winner:
     engine: str
     model: nn.Module
     accuracy: float
-    timing: dict[str, LatencyStats]     # by finalist name, with "fp32" and "best"
+    by_shape: dict[str, dict[str, LatencyStats]]   # {shape: {"fp32": ..., "best": ...}}, re-timed together
+    ratio: float                                   # the weighted latency ratio to fp32 over the shapes
 
 
 def finalist_plans(runner: TrialRunner) -> dict[str, Plan]:
@@ -69,9 +72,11 @@ def verified_winner(runner: TrialRunner) -> Winner:
     config = runner.config
     candidates = finalists(runner, finalist_plans(runner))
     models = {name: finalist.runnable for name, finalist in candidates.items()}
-    timing = runner.measurer.latency({"fp32": runner.fp32, **models}, runner.inputs, 2 * config.repeats)
-    for name in sorted(models, key=lambda n: timing[n].median_ms):
-        if timing[name].median_ms >= timing["fp32"].median_ms:
+    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, 2 * config.repeats)
+    ratio = {name: weighted_ratio({s: t[name].median_ms / t["fp32"].median_ms for s, t in by_shape.items()},
+                                  runner.shapes) for name in ["fp32", *models]}
+    for name in sorted(models, key=ratio.get):
+        if ratio[name] >= 1.0:
             break
         runner.eval_calls += 1
         finalist = candidates[name]
@@ -81,9 +86,14 @@ def verified_winner(runner: TrialRunner) -> Winner:
             log.warning("%s: re-evaluation failed (%s: %s); trying the next", name, type(exc).__name__, exc)
             continue
         if config.passes(runner.baseline, accuracy):
-            return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, timing | {"best": timing[name]})
+            return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
+                          ratio[name])
         log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
                     name, accuracy)
     log.warning("no lowered plan both met the accuracy requirement and ran faster than fp32; keeping fp32")
     fp32_plan = runner.space.expand({unit: "fp32" for unit in runner.space.choices})
-    return Winner(fp32_plan, "eager", clone(runner.fp32), runner.baseline, timing | {"best": timing["fp32"]})
+    return Winner(fp32_plan, "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+
+
+def _fp32_and(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, dict[str, LatencyStats]]:
+    return {shape: {"fp32": timing["fp32"], "best": timing[name]} for shape, timing in by_shape.items()}

@@ -40,6 +40,11 @@ def import_paths(data: dict) -> list[tuple[str, str]]:
         value = data.get(section)
         if isinstance(value, dict) and isinstance(value.get(key), str):
             found.append((f"{section}.{key}", value[key]))
+    tuning = data.get("tuning")
+    shapes = tuning.get("latency_inputs") if isinstance(tuning, dict) else None
+    for index, shape in enumerate(shapes if isinstance(shapes, list) else [shapes]):
+        if isinstance(shape, dict) and isinstance(shape.get("factory"), str):
+            found.append((f"tuning.latency_inputs.{index}.factory", shape["factory"]))
     return found
 
 

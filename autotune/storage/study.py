@@ -31,6 +31,8 @@ def default_study_name(model_class: str, candidates: dict[str, list[str]], confi
     settings = [candidates, config.tolerable_loss, config.loss_kind, config.higher_is_better, config.device]
     if config.objective != "latency":   # its study has two directions; latency-only names stay as they were
         settings.append(config.objective)
+    if config.latency_inputs:           # another objective too; names without them stay as they were
+        settings.append([entry.describe() for entry in config.latency_inputs])
     space = json.dumps(settings, sort_keys=True)
     return f"{model_class}-{hashlib.sha1(space.encode()).hexdigest()[:10]}"
 
@@ -64,6 +66,21 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
             f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
             f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
     return study
+
+
+def check_shapes(study: optuna.Study, config: TuningConfig, weights: dict[str, float]) -> None:
+    """Records the shapes latency is measured at ({name: weight}) on a new study; a study made for other shapes
+    would mix two objectives.
+
+    Raises:
+        StudyMismatchError: the study was made for other shapes or weights.
+    """
+    stored = get_attr(study, "latency_shapes")
+    if stored is None:
+        set_attr(study, "latency_shapes", weights)
+    elif stored != weights:
+        raise StudyMismatchError(f"study {study.study_name!r} in {shown(config.storage)} measures latency at "
+                                 f"{stored}, not {weights}; use another study_name")
 
 
 def get_attr(study: optuna.Study, key: str) -> Any:

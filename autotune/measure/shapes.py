@@ -1,0 +1,92 @@
+"""The input shapes latency is measured at (`TuningConfig.latency_inputs`), and how their ratios combine.
+
+A plan tuned at one shape is tuned for that shape only: dynamic int8 pays its activation quantisation per call,
+so it can win at batch 64 and lose at batch 1. Each shape's latency ratio to fp32 is measured; the objective is
+their weighted mean, and every per-shape ratio is kept on the trial.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autotune.backends.base import CallInputs
+from autotune.capture import as_call_inputs, to_device
+from autotune.config.file import call_factory
+from autotune.config.tuning import LatencyInput, TuningConfig
+from autotune.errors import ConfigError
+from autotune.tree import map_tensors
+
+PerModule = dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    inputs: CallInputs
+    weight: float
+
+
+def batch_size(inputs: CallInputs) -> int | None:
+    """The first dimension of the first tensor with one, taken as the batch."""
+    sizes: list[int] = []
+    map_tensors(inputs, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
+    return sizes[0] if sizes else None
+
+
+def resize_batch(inputs: CallInputs, batch: int) -> CallInputs:
+    """`inputs` with every tensor whose first dimension is the batch cut to `batch` rows, or its rows repeated."""
+    size = batch_size(inputs)
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if not t.dim() or t.shape[0] != size:
+            return t
+        return t.repeat(math.ceil(batch / size), *([1] * (t.dim() - 1)))[:batch].contiguous()
+    return map_tensors(inputs, resize)
+
+
+def _shape(entry: LatencyInput, index: int, captured: CallInputs, device: torch.device) -> Shape:
+    field = f"latency_inputs.{index}"
+    if entry.factory is not None:
+        inputs = to_device(as_call_inputs(call_factory(entry.factory, entry.kwargs, f"{field}.factory")), device)
+        default = entry.factory if isinstance(entry.factory, str) else getattr(entry.factory, "__name__", "factory")
+        return Shape(entry.name or default.rpartition(":")[2], inputs, entry.weight)
+    if entry.batch is not None and batch_size(captured) is None:
+        raise ConfigError(f"{field}.batch: the captured inputs have no batch dimension to resize; give a factory",
+                          [(f"{field}.batch", "no batch dimension")])
+    inputs = captured if entry.batch is None else resize_batch(captured, entry.batch)
+    size = batch_size(inputs)
+    return Shape(entry.name or (f"batch {size}" if size is not None else "example"), inputs, entry.weight)
+
+
+def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.device) -> list[Shape]:
+    """The configured shapes, built from the captured batch or the factories; [the captured batch] by default.
+
+    Raises:
+        ConfigError: a factory failed, a batch cannot be resized, or two shapes share a name.
+    """
+    entries = config.latency_inputs or [LatencyInput()]
+    shapes = [_shape(entry, index, captured, device) for index, entry in enumerate(entries)]
+    names = [shape.name for shape in shapes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"latency_inputs: two shapes are named alike ({names}); give each a name",
+                          [("latency_inputs", "duplicate names")])
+    return shapes
+
+
+def weighted_ratio(ratios: dict[str, float], shapes: list[Shape]) -> float:
+    """The objective: each shape's latency ratio to fp32, weighted."""
+    return sum(shape.weight * ratios[shape.name] for shape in shapes) / sum(shape.weight for shape in shapes)
+
+
+def combine_module_latency(per_shape: list[PerModule], shapes: list[Shape]) -> PerModule:
+    """Per-module costs for the weighted objective: each shape's costs as shares of its fp32 model, weighted,
+    in the first shape's milliseconds (so one shape gives its own costs back). Sums over a plan then predict its
+    weighted ratio, as a plan's module costs predict its latency at one shape."""
+    totals = [sum(costs["fp32"] for costs in latency.values()) or 1.0 for latency in per_shape]
+    weight = sum(shape.weight for shape in shapes)
+    return {name: {dtype: sum(shape.weight * latency[name][dtype] * totals[0] / total
+                              for shape, latency, total in zip(shapes, per_shape, totals)) / weight
+                   for dtype in costs}
+            for name, costs in per_shape[0].items()}

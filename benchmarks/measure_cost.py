@@ -1,0 +1,85 @@
+"""What measuring costs in a real tuning run: seconds spent in per-module signals and in whole-model timing,
+beside eval_fn's seconds and the wall time, on the shipped workloads (a shipped YAML config each).
+
+    .venv/bin/python benchmarks/measure_cost.py [--workloads mnist,minilm] [--max-trials N]
+
+Run it on two checkouts (PYTHONPATH=<other checkout> for the other) to compare measuring strategies: the
+Measurer interface it wraps is the one the tuner has always used.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {"mnist": "configs/mnist.yaml", "minilm": "configs/minilm_sentiment.yaml"}
+
+
+class TimedMeasurer:
+    """The device measurer, with the seconds spent timing whole models and spent on everything else it does
+    (per-module signals), whatever its methods are called in the checkout measured."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, {"signals": 0.0, "latency": 0.0}
+
+    def __getattr__(self, name):
+        method, kind = getattr(self.inner, name), "latency" if name == "latency" else "signals"
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - started
+        return timed
+
+
+def run(workload: str, max_trials: int | None) -> dict:
+    import autotune
+    from autotune.config.file import load_config
+    from autotune.measure.measurer import DeviceMeasurer
+
+    config = load_config(Path(__file__).resolve().parent.parent / CONFIGS[workload])
+    eval_fn, eval_s = config.evaluation.build(), [0.0]
+
+    def timed_eval(model):
+        started = time.perf_counter()
+        try:
+            return eval_fn(model)
+        finally:
+            eval_s[0] += time.perf_counter() - started
+
+    with tempfile.TemporaryDirectory() as folder:
+        tuning = config.tuning.model_copy(update={"storage": f"sqlite:///{folder}/cost.db"})
+        if max_trials:
+            tuning.max_trials = max_trials
+        measurer = TimedMeasurer(DeviceMeasurer(tuning))
+        started = time.perf_counter()
+        result = autotune.autotune(config.build_model(), tuning, timed_eval, config.build_example_inputs(),
+                                   measurer=measurer)
+        wall = time.perf_counter() - started
+    return {"workload": workload, "wall_s": wall, "signals_s": measurer.seconds["signals"],
+            "latency_s": measurer.seconds["latency"],
+            "eval_s": eval_s[0], "eval_calls": result.eval_calls, "speedup": result.speedup,
+            "plan": autotune.plan.summarize(result.plan)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workloads", default="mnist,minilm")
+    parser.add_argument("--max-trials", type=int, default=None, help="default: the config's")
+    args = parser.parse_args()
+    print("| workload | wall s | signals s | trial+final timing s | measuring share | eval_fn s | eval calls "
+          "| speedup | plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for workload in args.workloads.split(","):
+        r = run(workload, args.max_trials)
+        measuring = r["signals_s"] + r["latency_s"]
+        print(f"| {workload} | {r['wall_s']:.1f} | {r['signals_s']:.1f} | {r['latency_s']:.1f} | "
+              f"{100 * measuring / r['wall_s']:.0f} % | {r['eval_s']:.1f} | {r['eval_calls']} | "
+              f"{r['speedup']:.2f}x | {r['plan']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
