@@ -13,7 +13,10 @@ from autotune.tree import map_tensors
 
 
 def detach_clone(value: Any) -> Any:
-    return map_tensors(value, lambda t: t.detach().clone())
+    """Copies of the tensors in `value`, as normal tensors even when recorded inside the user's
+    `torch.inference_mode()` (an inference tensor cannot go through torch.export or autograd later)."""
+    with torch.inference_mode(False):
+        return map_tensors(value, lambda t: t.detach().clone())
 
 
 class _Captured(BaseException):

@@ -111,6 +111,17 @@ def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_
     assert fallback["engine"] == "compiled" and "torch.export failed" in fallback["reason"]
 
 
+def test_batches_captured_from_an_eval_fn_in_inference_mode_go_through_the_compiled_engine(tmp_path):
+    model, x = mlp(), batches(1)[0][0][0]
+
+    def eval_fn(net):    # as most users write one: no example_inputs, the batches captured from here
+        with torch.inference_mode():
+            return 1.0 - (net(x) - model(x)).abs().mean().item()
+    result = autotune(model, config(tmp_path), eval_fn, measurer=CompiledIsFaster())
+    assert "autotune.engine_fallback" not in result.study.user_attrs
+    assert result.engine == "compiled"
+
+
 def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkeypatch):
     model = mlp()
     result = autotune(model, config(tmp_path), fidelity(model), measurer=CompiledIsFaster(),
