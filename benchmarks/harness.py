@@ -89,7 +89,7 @@ def run_sim(workload: str, n: int, quick: bool) -> list[dict]:
     return rows
 
 
-def _real_workload(workload: str, quick: bool):
+def real_workload(workload: str, quick: bool):
     """(fp32 model, eval_fn, example_inputs, dtypes, max_trials, description)."""
     if workload == "mnist":
         from autotune.workloads import mnist
@@ -117,7 +117,7 @@ def run_real(workload: str, quick: bool) -> list[dict]:
     from autotune.search import SearchSpace
     from autotune.storage import study as studies
 
-    fp32, eval_fn, example, dtypes, max_trials, description = _real_workload(workload, quick)
+    fp32, eval_fn, example, dtypes, max_trials, description = real_workload(workload, quick)
     fp32 = fp32.eval()
     repeats = 10 if quick else 30
     with tempfile.TemporaryDirectory() as folder:

@@ -87,9 +87,9 @@ class CompiledIsFaster:
 
 
 def config(tmp_path, **more) -> TuningConfig:
-    return TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2, max_trials=4,
-                        storage=f"sqlite:///{tmp_path}/e.db", study_name="engines", engines=["eager", "compiled"],
-                        **more)
+    return TuningConfig(**{"config_set": MixedPrecisionConfig(dtype=["int8", "fp32"]), "tolerable_loss": 0.2,
+                           "max_trials": 4, "storage": f"sqlite:///{tmp_path}/e.db", "study_name": "engines",
+                           "engines": ["eager", "compiled"], **more})
 
 
 def fidelity(reference_model: nn.Module):
@@ -153,3 +153,31 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
     x = torch.randn(7, 32)
     with torch.no_grad():
         assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
+
+
+class CompiledFp32IsFastest:
+    """torch.compile of the fp32 model runs at half of fp32 eager; a compiled lowered plan at 0.8, an eager
+    lowered one at 0.9 (no real timing: the test is about which finalist is kept)."""
+
+    sensitivity = CompiledIsFaster.sensitivity
+    module_latency = CompiledIsFaster.module_latency
+
+    def latency(self, models, inputs, repeats):
+        from autotune.plan import plan_of
+
+        def ms(name, model):   # a compiled finalist is named after its plan: "fp32 (inductor)" or "trial N (...)"
+            compiled = type(model).__name__ == "OptimizedModule"
+            lowered = not name.startswith("fp32") if compiled else "int8" in plan_of(model, NAMES).values()
+            return 10.0 * (0.9 if lowered and not compiled else 0.8 if lowered else 0.5 if compiled else 1.0)
+        return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_the_inductor_engine_offers_fp32_compiled_and_wins_when_it_is_fastest(tmp_path):
+    model = mlp()
+    result = autotune(model, config(tmp_path, engines=["eager", "inductor"]), fidelity(model),
+                      batches(1)[0][0][0], measurer=CompiledFp32IsFastest())
+    assert result.engine == "inductor" and set(result.plan.values()) == {"fp32"}
+    assert type(result.model).__name__ == "OptimizedModule" and result.speedup == pytest.approx(2.0)
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        assert torch.allclose(result.model(x), model(x), atol=1e-5)

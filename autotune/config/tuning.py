@@ -145,10 +145,11 @@ class TuningConfig(ConfigModel):
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
-    engines: list[Literal["eager", "compiled"]] = Field(
+    engines: list[Literal["eager", "compiled", "inductor"]] = Field(
         default_factory=lambda: ["eager"], min_length=1,
-        description="how the finalists may run: eager (modules swapped) and/or compiled (pt2e int8 + inductor); "
-                    "each finalist is timed in each, the fastest passing one wins")
+        description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor) and/or "
+                    "inductor (the eager plan under torch.compile, its all-fp32 plan included); each finalist is "
+                    "timed in each, the fastest passing one wins")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
     objective: Literal["latency", "pareto"] = Field(

@@ -1,17 +1,19 @@
 """Engines: how a whole plan is realised as a runnable model. `eager` swaps each module for its technique's
 module (autotune.plan.apply_plan); `compiled` exports the model, quantises it with PyTorch 2 export
 quantisation (torchao's X86InductorQuantizer, the plan's fp32 modules left out) and compiles it with inductor,
-so adjacent int8 ops stay int8 and fuse. Which one a plan runs in is decided by timing both."""
+so adjacent int8 ops stay int8 and fuse; `inductor` compiles the eager plan whole with torch.compile. Which one a
+plan runs in is decided by timing them."""
 from __future__ import annotations
 
 from torch import nn
 
 from autotune.engines.base import Calibration, Engine, EngineUnavailable
 from autotune.engines.eager import EagerEngine
+from autotune.engines.inductor import InductorEngine
 from autotune.engines.pt2e import CompiledEngine
 from autotune.plan import Plan
 
-ENGINES: dict[str, Engine] = {"eager": EagerEngine(), "compiled": CompiledEngine()}
+ENGINES: dict[str, Engine] = {"eager": EagerEngine(), "compiled": CompiledEngine(), "inductor": InductorEngine()}
 
 
 def realise(fp32: nn.Module, plan: Plan, engine: str, calibration: Calibration) -> nn.Module:
@@ -40,5 +42,5 @@ def get_engine(name: str) -> Engine:
         raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["Calibration", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES", "get_engine",
-           "realise"]
+__all__ = ["Calibration", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES", "InductorEngine",
+           "get_engine", "realise"]

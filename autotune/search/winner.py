@@ -49,7 +49,8 @@ def finalist_plans(runner: TrialRunner) -> dict[str, Plan]:
 
 
 def finalists(runner: TrialRunner, plans: dict[str, Plan]) -> dict[str, Finalist]:
-    """Each plan in each configured engine that can realise it; an engine that cannot run this model at all is
+    """Each plan in each configured engine that can realise it, and the fp32 plan in every engine but eager (fp32
+    eager is the reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is
     dropped with its reason logged and kept on the study (`engine_fallback`)."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     found: dict[str, Finalist] = {}
@@ -57,7 +58,7 @@ def finalists(runner: TrialRunner, plans: dict[str, Plan]) -> dict[str, Finalist
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
         try:
-            for name, plan in plans.items():
+            for name, plan in ({**plans, "fp32": _fp32_plan(runner)} if suffix else plans).items():
                 if engine.unsupported(plan) is None:
                     built = engine.build(runner.fp32, plan, calibration)
                     found[name + suffix] = Finalist(plan, engine_name, built, engine.runnable(built))
@@ -90,9 +91,12 @@ def verified_winner(runner: TrialRunner) -> Winner:
                           ratio[name])
         log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
                     name, accuracy)
-    log.warning("no lowered plan both met the accuracy requirement and ran faster than fp32; keeping fp32")
-    fp32_plan = runner.space.expand({unit: "fp32" for unit in runner.space.choices})
-    return Winner(fp32_plan, "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+    log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
+    return Winner(_fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+
+
+def _fp32_plan(runner: TrialRunner) -> Plan:
+    return runner.space.expand({unit: "fp32" for unit in runner.space.choices})
 
 
 def _fp32_and(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, dict[str, LatencyStats]]:

@@ -1,0 +1,24 @@
+"""The inductor engine: the eager plan (modules swapped, any dtype), then the whole model compiled by
+`torch.compile`, so the casts at lowered modules' boundaries and the fp32 ops between them fuse. Its all-fp32
+plan is plain `torch.compile(model)`, so the tuner's answer is never slower than that when this engine is on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotune.backends.base import CallInputs
+from autotune.engines.eager import EagerEngine
+
+
+@dataclass(frozen=True)
+class InductorEngine(EagerEngine):
+    name: str = "inductor"
+
+    def runnable(self, built: nn.Module) -> nn.Module:
+        return torch.compile(built)
+
+    def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
+        torch.save(built, path)
+        return "torch.compile(torch.load(path, weights_only=False)), where autotune is importable"

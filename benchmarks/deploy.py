@@ -1,0 +1,178 @@
+"""Deployment benchmark: the tuned model beside what a user would pick instead, at batch 1 and the eval batch.
+
+    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm] [--quick] [--max-trials N]
+
+Per workload (benchmarks/harness.py's real workloads), each candidate is built, scored once with the workload's
+eval_fn, and all of them are timed interleaved in one run per shape, fp32 eager among them (speedups are ratios
+within that run):
+  fp32 eager            the model as given
+  torch.compile fp32    `torch.compile(model)`
+  quantize_dynamic      `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)`
+  pt2e int8 + inductor  torchao's X86InductorQuantizer over the whole model (static ranges from the first 4 batches
+                        eval_fn feeds it), then `torch.compile`: the uniform int8 plan of autotune's compiled engine
+  INC int8              Intel Neural Compressor 3.x `autotune` over its static then dynamic PT2E int8 config sets
+                        (benchmarks/peers/inc.py; under .venv-bench, else a row saying why not)
+  autotune              int8/bf16/fp16/fp32 per module, engines eager, compiled and inductor, latency_inputs at
+                        both shapes with equal weights, tolerance 0.01 relative
+Setup is what a candidate cost before it could serve: tuning, quantising, compiling and the first call at each
+shape. A compiled candidate is scored as it runs (compiled), except pt2e, scored on its converted graph as
+autotune's compiled engine is (reference numerics); both match to within rounding here.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from harness import TOLERANCE, real_workload  # noqa: E402
+
+from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune  # noqa: E402
+from autotune.capture import as_call_inputs, call, run_capturing  # noqa: E402
+from autotune.clone import clone  # noqa: E402
+from autotune.discovery import search_candidates  # noqa: E402
+from autotune.engines import Calibration, CompiledEngine  # noqa: E402
+from autotune.measure.latency import measure_latency  # noqa: E402
+from autotune.measure.shapes import batch_size, resize_batch  # noqa: E402
+from autotune.plan import summarize  # noqa: E402
+
+
+@dataclass
+class Candidate:
+    name: str
+    timed: nn.Module | None      # what serves (None: the peer could not run, `note` says why)
+    scored: nn.Module | None     # what eval_fn scores
+    setup_s: float
+    note: str = ""
+
+
+def _warmed(name: str, build, scored_from, shapes: dict, note: str = "") -> Candidate:
+    """Builds a candidate, then calls it once at each shape (compilation happens there): all of it is setup."""
+    started = time.perf_counter()
+    try:
+        timed = build()
+        with torch.inference_mode():
+            for inputs in shapes.values():
+                call(timed, inputs)
+    except Exception as exc:  # noqa: BLE001 - a peer that fails is a result
+        return Candidate(name, None, None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:200])
+    return Candidate(name, timed, scored_from(timed), time.perf_counter() - started, note)
+
+
+def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_trials: int) -> list[Candidate]:
+    pt2e_built: list[nn.Module] = []
+
+    def pt2e():
+        plan = {name: "int8" for name in search_candidates(fp32, TuningConfig(config_set=MixedPrecisionConfig(
+            dtype=["int8", "fp32"])))}
+        engine = CompiledEngine()
+        pt2e_built.append(engine.build(fp32, plan, Calibration(batches, {})))
+        return engine.runnable(pt2e_built[-1])
+
+    found = [Candidate("fp32 eager", fp32, fp32, 0.0),
+             _warmed("torch.compile fp32", lambda: torch.compile(copy.deepcopy(fp32)), lambda m: m, shapes),
+             _warmed("quantize_dynamic int8", lambda: torch.ao.quantization.quantize_dynamic(
+                 copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8), lambda m: m, shapes),
+             _warmed("pt2e int8 + inductor (uniform)", pt2e, lambda _m: pt2e_built[-1], shapes)]
+    return found + [_inc(fp32, eval_fn, example, max_trials, shapes)]
+
+
+def _inc(fp32, eval_fn, example, max_trials: int, shapes: dict) -> Candidate:
+    try:
+        from benchmarks.peers.inc import run_inc
+        out = run_inc(fp32, eval_fn, example, tolerable_loss=TOLERANCE, max_trials=max_trials, configs="int8")
+    except ImportError:
+        return Candidate("INC int8", None, None, 0.0, "neural_compressor is not importable (run under .venv-bench)")
+    if out["model"] is None:
+        return Candidate("INC int8", None, None, out["wall_s"], str(out["error"])[:200])
+    warmed = _warmed("INC int8", lambda: out["model"], lambda m: m, shapes, note=f"{out['config']}")
+    warmed.setup_s += out["wall_s"]
+    return warmed
+
+
+def ours(fp32: nn.Module, eval_fn, example, dtypes: list[str], max_trials: int, shapes: dict,
+         folder: str) -> Candidate:
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
+                          max_trials=max_trials, engines=["eager", "compiled", "inductor"], storage=f"sqlite:///{folder}/p.db",
+                          latency_inputs=[LatencyInput(batch=batch_size(inputs), weight=1.0)
+                                          for inputs in shapes.values()])
+    started = time.perf_counter()
+    result = autotune(fp32, config, eval_fn, example)
+    tuned = _warmed("autotune", lambda: result.model, lambda m: m, shapes,
+                    note=f"{summarize(result.plan)}, {result.engine} engine, {result.eval_calls} eval_fn calls")
+    tuned.setup_s += time.perf_counter() - started
+    return tuned
+
+
+def run(workload: str, quick: bool, max_trials: int | None) -> str:
+    fp32, eval_fn, example, dtypes, default_trials, description = real_workload(workload, quick)
+    fp32 = fp32.eval()
+    max_trials = max_trials or default_trials
+    batches = run_capturing(clone(fp32), eval_fn, stop_early=True)[1]
+    eval_batch = as_call_inputs(example)
+    shapes = {"batch 1": resize_batch(eval_batch, 1), f"batch {batch_size(eval_batch)}": eval_batch}
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = peers(fp32, eval_fn, example, batches, shapes, max_trials)
+        found.append(ours(fp32, eval_fn, example, dtypes, max_trials, shapes, folder))
+        baseline = float(eval_fn(clone(fp32)))
+        scores = {c.name: float(eval_fn(c.scored)) for c in found if c.scored is not None}
+        serving = {c.name: c.timed for c in found if c.timed is not None}
+        timing = {shape: measure_latency(serving, inputs, warmup=3, repeats=30, precision=0.01)
+                  for shape, inputs in shapes.items()}
+    return table(workload, description, found, baseline, scores, timing)
+
+
+def table(workload, description, found, baseline, scores, timing) -> str:
+    shapes = list(timing)
+    lines = [f"### {workload}: {description}", "",
+             "| candidate | accuracy (loss) | within tolerance | " + " | ".join(f"{s} speedup (IQR)" for s in shapes)
+             + " | setup s | notes |", "|---|---|---|" + "---|" * len(shapes) + "---|---|"]
+    best_peer = {s: max(timing[s]["fp32 eager"].median_ms / t.median_ms for name, t in timing[s].items()
+                        if name != "autotune" and _loss(baseline, scores[name]) <= TOLERANCE) for s in shapes}
+    for c in found:
+        if c.timed is None:
+            lines.append(f"| {c.name} | – | – | " + " | ".join("–" for _ in shapes) + f" | {c.setup_s:.1f} | "
+                         f"did not run: {c.note} |")
+            continue
+        loss = _loss(baseline, scores[c.name])
+        cells = []
+        for s in shapes:
+            fp32, t = timing[s]["fp32 eager"], timing[s][c.name]
+            cells.append(f"{fp32.median_ms / t.median_ms:.2f}x (±{t.spread_ms / t.median_ms:.0%})")
+        lines.append(f"| {c.name} | {scores[c.name]:.4f} ({loss:+.2%}) | {'yes' if loss <= TOLERANCE else 'NO'} | "
+                     + " | ".join(cells) + f" | {c.setup_s:.1f} | {c.note} |")
+    ours = {s: timing[s]["fp32 eager"].median_ms / timing[s]["autotune"].median_ms for s in shapes}
+    fp32_ms = ", ".join(f"{timing[s]['fp32 eager'].median_ms:.3f} ms at {s}" for s in shapes)
+    lines += ["", "autotune vs the best peer within tolerance: "
+              + ", ".join(f"{s} {ours[s] / best_peer[s]:.2f}x" for s in shapes) + f" (fp32 eager: {fp32_ms})"]
+    return "\n".join(lines)
+
+
+def _loss(baseline: float, accuracy: float) -> float:
+    return (baseline - accuracy) / abs(baseline)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="mnist,minilm")
+    parser.add_argument("--quick", action="store_true", help="fewer examples (500 digits, 200 sentences)")
+    parser.add_argument("--max-trials", type=int, default=None, help="default: the harness's per workload")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for workload in args.workloads.split(","):
+        print(run(workload, args.quick, args.max_trials), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
