@@ -103,7 +103,8 @@ def _inc(fp32, eval_fn, example, max_trials: int, shapes: dict) -> Candidate:
 def ours(fp32: nn.Module, eval_fn, example, dtypes: list[str], max_trials: int, shapes: dict,
          folder: str) -> Candidate:
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
-                          max_trials=max_trials, engines=["eager", "compiled", "inductor"], storage=f"sqlite:///{folder}/p.db",
+                          max_trials=max_trials, engines=["eager", "compiled", "inductor"],
+                          storage=f"sqlite:///{folder}/p.db",
                           latency_inputs=[LatencyInput(batch=batch_size(inputs), weight=1.0)
                                           for inputs in shapes.values()])
     started = time.perf_counter()
