@@ -281,13 +281,16 @@ def trials_section(rows: list[Row]) -> str:
         if row.error is not None:
             result += f"<small title='{html.escape(row.error)}'>{html.escape(row.error[:80])}</small>"
         ratio = f"{row.ratio:.3f} ({row.speedup:.2f}x)" if row.ratio else "-"
+        if row.ratio and row.latency_ms is None and row.error is None:
+            ratio += " predicted"
         body.append([row.number, _plan_code(row.plan), summarize(row.plan), row.source, _fmt(row.accuracy),
                      _fmt(row.loss), ratio, timing, (result,),
                      ("<strong>&#9733; chosen</strong>",) if row.chosen else ""])
         classes.append(f' id="trial-{row.number}"' + (' class="chosen"' if row.chosen else ""))
     caption = ("One row per evaluated trial, numbered as on the plots; trials that reused an earlier result "
-               "are left out. Latency/fp32 is one timing of the plan against fp32 within that trial; hover a "
-               "plan id for the whole plan.")
+               "are left out. Latency/fp32 is one timing of the plan against fp32 within that trial, or for a "
+               "plan that missed the tolerance its prediction from the per-module costs (it is not timed: it "
+               "cannot be chosen); hover a plan id for the whole plan.")
     return (f"<h2 id='trials'>Trials</h2><p class='caption'>{html.escape(caption)}</p>"
             + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
 

@@ -117,3 +117,37 @@ def test_the_collector_threshold_is_raised_during_tuning_and_restored_after_even
         autotune(nn.Sequential(nn.Linear(8, 8)), config, eval_fn, example_inputs=torch.randn(2, 8))
     assert seen and all(threshold >= 20_000 for threshold in seen)
     assert gc.get_threshold() == before
+
+
+def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicted(storage):
+    from conftest import HalfCostMeasurer
+
+    from autotune.plan import plan_of
+    from autotune.storage.study import evaluated_trials
+
+    names = ["0.0", "1.0", "2.0"]
+    timed_plans = []
+
+    class Recording(HalfCostMeasurer):
+        def latency(self, models, inputs, repeats):
+            timed_plans.extend(plan_of(m, self.names)["1.0"] for name, m in models.items() if name != "fp32")
+            return super().latency(models, inputs, repeats)
+
+    def eval_fn(net):   # layer 1 in int8 misses the tolerance
+        with torch.inference_mode():
+            net(INPUTS[:4])
+        return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+                          max_trials=8, storage=storage)
+    result = autotune(wide_model(), config, eval_fn, INPUTS, measurer=Recording(names))
+    trials = evaluated_trials(result.study)
+    failing = [t for t in trials if not t.user_attrs["passed"]]
+    assert failing and all(t.user_attrs["latency_measured"] is False for t in failing)
+    for trial in failing:   # HalfCostMeasurer's module costs: 1 per fp32 module, 0.5 per int8 one
+        lowered = sum(d == "int8" for d in trial.user_attrs["plan"].values())
+        assert trial.values[0] == pytest.approx((3 - 0.5 * lowered) / 3)
+        assert trial.user_attrs["latency_by_shape"] is None
+    assert "int8" not in timed_plans     # no failing plan's model was ever timed
+    assert all(t.user_attrs["latency_measured"] for t in trials if t.user_attrs["passed"])
+    assert result.plan["1.0"] == "fp32" and result.plan["0.0"] == result.plan["2.0"] == "int8"

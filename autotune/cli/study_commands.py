@@ -147,7 +147,7 @@ def show(study_name: str, storage: str) -> None:
             outcome = trial.state.name.lower()
         plan = studies.trial_plan(trial)
         rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-", summarize(plan),
-                     _fmt(attrs.get("accuracy")), _fmt(trial.values[0] if trial.values else None, "{:.3f}"),
+                     _fmt(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
     click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, 'baseline_accuracy'))}")
@@ -165,6 +165,12 @@ def show(study_name: str, storage: str) -> None:
 
 def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
     return "-" if value is None else pattern.format(value)
+
+
+def _ratio(trial: optuna.trial.FrozenTrial) -> str:
+    """The trial's latency ratio; `~` marks one predicted from module costs (a failing plan is not timed)."""
+    predicted = trial.user_attrs.get("latency_measured") is False
+    return _fmt(trial.values[0] if trial.values else None, "~{:.3f}" if predicted else "{:.3f}")
 
 
 def _per_shape(by_shape: dict | None) -> str:

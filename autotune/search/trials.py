@@ -180,27 +180,47 @@ class TrialRunner:
             trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
             log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
             raise TrialFailed(str(exc)) from exc
-        by_shape = latency_by_shape(self.measurer, {"fp32": self.fp32, "plan": tuned}, self.shapes,
-                                    self.config.repeats)
-        ratios = {shape: timing["plan"].median_ms / timing["fp32"].median_ms for shape, timing in by_shape.items()}
         loss = self.config.accuracy_loss(self.baseline, accuracy)
-        outcome = Outcome(weighted_ratio(ratios, self.shapes), loss, self.config.tolerable_loss)
-        timing = by_shape[self.shapes[0].name]
-        shapes = {shape: {"ratio": ratios[shape], "latency_ms": t["plan"].median_ms,
-                          "latency_spread_ms": t["plan"].spread_ms, "fp32_latency_ms": t["fp32"].median_ms,
-                          "fp32_spread_ms": t["fp32"].spread_ms} for shape, t in by_shape.items()}
+        timed = loss <= self.config.tolerable_loss or self.config.objective != "latency"
+        ratio = self._timed_ratio(trial, tuned) if timed else self._predicted_ratio(trial)
+        if not timed:   # a trial re-queued after a crash arrives with its stale trial's timings
+            for name in ("latency_ms", "latency_spread_ms", "fp32_latency_ms", "latency_by_shape"):
+                trial.set_user_attr(name, None)
+        outcome = Outcome(ratio, loss, self.config.tolerable_loss)
         for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
-                            ("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
-                            ("fp32_latency_ms", timing["fp32"].median_ms), ("weight_bytes", weight_bytes(tuned)),
-                            ("plan_summary", summarize(plan)), ("latency_by_shape", shapes)):
+                            ("latency_measured", timed), ("weight_bytes", weight_bytes(tuned)),
+                            ("plan_summary", summarize(plan))):
             trial.set_user_attr(name, value)
         if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)
         self.outcomes[key] = outcome
-        log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32 %s", trial.number,
-                 trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss,
-                 outcome.latency_ratio, "pass" if outcome.passed else "FAIL")
+        log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32%s %s", trial.number,
+                 trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss, outcome.latency_ratio,
+                 "" if timed else " (predicted)", "pass" if outcome.passed else "FAIL")
         return self._values(outcome)
+
+    def _timed_ratio(self, trial: optuna.Trial, tuned: nn.Module) -> float:
+        """The plan timed against fp32 at every shape; each shape's figures go on the trial, the weighted ratio
+        is returned."""
+        by_shape = latency_by_shape(self.measurer, {"fp32": self.fp32, "plan": tuned}, self.shapes,
+                                    self.config.repeats)
+        ratios = {shape: timing["plan"].median_ms / timing["fp32"].median_ms for shape, timing in by_shape.items()}
+        timing = by_shape[self.shapes[0].name]
+        for name, value in (("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
+                            ("fp32_latency_ms", timing["fp32"].median_ms),
+                            ("latency_by_shape", {shape: {"ratio": ratios[shape], "latency_ms": t["plan"].median_ms,
+                                                          "latency_spread_ms": t["plan"].spread_ms,
+                                                          "fp32_latency_ms": t["fp32"].median_ms,
+                                                          "fp32_spread_ms": t["fp32"].spread_ms}
+                                                  for shape, t in by_shape.items()})):
+            trial.set_user_attr(name, value)
+        return weighted_ratio(ratios, self.shapes)
+
+    def _predicted_ratio(self, trial: optuna.Trial) -> float:
+        """A failing plan's latency ratio as its module costs predict it: no time is spent timing a plan that
+        cannot be chosen (with the latency objective, the sampler ranks failing plans by how far they miss)."""
+        fp32 = {unit: "fp32" for unit in self.space.choices}
+        return self.space.predicted_ms(trial.params) / self.space.predicted_ms(fp32)
 
     def run_once(self) -> FrozenTrial:
         """Runs one trial (a queued plan, else one the sampler proposes); returns it as it finished."""
