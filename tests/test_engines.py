@@ -178,6 +178,36 @@ def test_the_inductor_engine_offers_fp32_compiled_and_wins_when_it_is_fastest(tm
                       batches(1)[0][0][0], measurer=CompiledFp32IsFastest())
     assert result.engine == "inductor" and set(result.plan.values()) == {"fp32"}
     assert type(result.model).__name__ == "OptimizedModule" and result.speedup == pytest.approx(2.0)
+    setup = result.study.user_attrs["autotune.finalist_setup_s"]   # build + first calls (compiling), per finalist
+    assert setup["fp32 (inductor)"] > 0 and any(name.endswith("(inductor)") and name != "fp32 (inductor)"
+                                                for name in setup)
+    assert result.study.user_attrs["autotune.best"]["setup_s"] == pytest.approx(setup["fp32 (inductor)"], abs=1e-3)
     x = batches(1)[0][0][0]
     with torch.no_grad():
         assert torch.allclose(result.model(x), model(x), atol=1e-5)
+
+
+class Tokens(nn.Module):
+    """A sequence model called with keyword inputs, as transformers are."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.proj, self.head = nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 2)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = torch.relu(self.proj(self.embed(input_ids))) * attention_mask.unsqueeze(-1)
+        return self.head(hidden.sum(1) / attention_mask.sum(1, keepdim=True))
+
+
+def test_the_compiled_engine_takes_keyword_inputs_whose_batch_and_length_vary():
+    def tokens(batch, length):
+        generator = torch.Generator().manual_seed(batch * 100 + length)
+        return (), {"input_ids": torch.randint(0, 50, (batch, length), generator=generator),
+                    "attention_mask": torch.ones(batch, length)}
+    model, calibration = Tokens().eval(), [tokens(8, 12), tokens(8, 7), tokens(5, 20)]
+    built = CompiledEngine().build(model, {"proj": "int8", "head": "fp32"}, Calibration(calibration, {}))
+    assert weight_of_each_linear(built) == {"proj": "int8", "head": "fp32"}
+    single = tokens(1, 30)      # a shape none of the calibration batches had
+    with torch.no_grad():
+        assert torch.allclose(built(**single[1]), model(**single[1]), atol=0.05)

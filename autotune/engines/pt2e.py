@@ -3,6 +3,7 @@ modules with static activation ranges calibrated on several real batches, leaves
 quantizer, and inductor compiles the result so that quantise / dequantise pairs fuse into int8 kernels."""
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -17,13 +18,16 @@ from autotune.tree import map_tensors
 REALISED = {"int8", "fp32"}
 
 
-def _dynamic_batch(value):
-    """Every tensor's first dimension free: eval and deployment batches differ in size."""
-    return map_tensors(value, lambda t: {0: torch.export.Dim.AUTO} if t.dim() >= 1 else None)
+def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Every dimension of every input tensor left for export to decide (Dim.AUTO: dynamic where the model allows
+    it): batches differ in size and, for sequence models, in length. By parameter name, as export needs for
+    keyword inputs."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} or None)
 
 
 def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
-    """`model` exported on `inputs` with a free batch dimension.
+    """`model` exported on `inputs` with free batch (and other) dimensions.
 
     Raises:
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
@@ -31,7 +35,7 @@ def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
     args, kwargs = inputs
     try:
         return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=_dynamic_batch((args, kwargs)) if kwargs else _dynamic_batch(args))
+                                   dynamic_shapes=_free_dimensions(model, args, kwargs))
     except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise EngineUnavailable(f"torch.export failed: {type(exc).__name__}: {first}") from exc

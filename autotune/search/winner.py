@@ -3,12 +3,15 @@ the fastest re-evaluated once."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import Calibration, EngineUnavailable, get_engine
+from autotune.engines import Calibration, Engine, EngineUnavailable, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape
 from autotune.measure.shapes import weighted_ratio
@@ -26,6 +29,7 @@ class Finalist:
     engine: str
     built: nn.Module        # reference numerics: what accuracy is measured on
     runnable: nn.Module     # what is timed and returned
+    setup_s: float          # building it and its first calls (compilation) at every shape
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Winner:
     accuracy: float
     by_shape: dict[str, dict[str, LatencyStats]]   # {shape: {"fp32": ..., "best": ...}}, re-timed together
     ratio: float                                   # the weighted latency ratio to fp32 over the shapes
+    setup_s: float = 0.0                           # its build and first calls (compilation) in its engine
 
 
 def finalist_plans(runner: TrialRunner) -> dict[str, Plan]:
@@ -60,12 +65,31 @@ def finalists(runner: TrialRunner, plans: dict[str, Plan]) -> dict[str, Finalist
         try:
             for name, plan in ({**plans, "fp32": _fp32_plan(runner)} if suffix else plans).items():
                 if engine.unsupported(plan) is None:
-                    built = engine.build(runner.fp32, plan, calibration)
-                    found[name + suffix] = Finalist(plan, engine_name, built, engine.runnable(built))
+                    found[name + suffix] = _ready(engine, plan, runner, calibration)
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
+    studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
+
+
+def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration) -> Finalist:
+    """`plan` built in `engine` and called once at every shape, which is when torch.compile compiles: the
+    seconds all that took are the plan's set-up cost in this engine (kept on the study).
+
+    Raises:
+        EngineUnavailable: the first calls failed (e.g. the compiler could not handle the model).
+    """
+    started = time.perf_counter()
+    built = engine.build(runner.fp32, plan, calibration)
+    runnable = engine.runnable(built)
+    try:
+        with torch.inference_mode():
+            for shape in runner.shapes:
+                call(runnable, shape.inputs)
+    except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
+        raise EngineUnavailable(f"{engine.name}: the first call failed: {type(exc).__name__}: {exc}"[:300]) from exc
+    return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started)
 
 
 def verified_winner(runner: TrialRunner) -> Winner:
@@ -88,7 +112,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
             continue
         if config.passes(runner.baseline, accuracy):
             return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
-                          ratio[name])
+                          ratio[name], finalist.setup_s)
         log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
                     name, accuracy)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
