@@ -37,8 +37,9 @@ $(BENCH_VENV)/.installed: requirements.txt requirements-nodeps.txt constraints.t
 	$(BENCH_PY) -m pip install -q -c constraints.txt --no-deps --no-build-isolation -e .
 	touch $@
 
-bench: bench-install   ## search benchmark vs INC, uniform, random, oracle, simulator: writes benchmarks/results.md
+bench: bench-install   ## search benchmark (writes benchmarks/results.md), then the deployment table vs the peers
 	$(BENCH_PY) benchmarks/harness.py
+	$(BENCH_PY) benchmarks/deploy.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) studies/*.db

@@ -43,29 +43,32 @@ class Winner:
     setup_s: float = 0.0                           # its build and first calls (compilation) in its engine
 
 
-def finalist_plans(runner: TrialRunner) -> dict[str, Plan]:
-    """The three fastest passing trials and the fastest passing uniform plan, so the winner is never slower
-    than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them wrong)."""
-    passing = studies.passing_trials(runner.study)
+def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
+    """Of the passing trials `engine` can realise: the three fastest and the fastest uniform plan, so the winner
+    is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
+    wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise."""
+    passing = [t for t in studies.passing_trials(runner.study)
+               if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
     uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
     best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform][:1]
-    return {f"trial {t.number}": plan for t in passing[:3] + best_uniform
-            if not is_baseline(plan := studies.trial_plan(t))}
+    return {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
 
 
-def finalists(runner: TrialRunner, plans: dict[str, Plan]) -> dict[str, Finalist]:
-    """Each plan in each configured engine that can realise it, and the fp32 plan in every engine but eager (fp32
-    eager is the reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is
-    dropped with its reason logged and kept on the study (`engine_fallback`)."""
+def finalists(runner: TrialRunner) -> dict[str, Finalist]:
+    """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
+    reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
+    with its reason logged and kept on the study (`engine_fallback`)."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     found: dict[str, Finalist] = {}
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
+        plans = finalist_plans(runner, engine)
+        if suffix and engine.unsupported(fp32 := _fp32_plan(runner)) is None:
+            plans["fp32"] = fp32
         try:
-            for name, plan in ({**plans, "fp32": _fp32_plan(runner)} if suffix else plans).items():
-                if engine.unsupported(plan) is None:
-                    found[name + suffix] = _ready(engine, plan, runner, calibration)
+            for name, plan in plans.items():
+                found[name + suffix] = _ready(engine, plan, runner, calibration)
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
@@ -95,7 +98,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
 def verified_winner(runner: TrialRunner) -> Winner:
     """Re-times the finalists interleaved with fp32 and re-evaluates the fastest; fp32 if none holds."""
     config = runner.config
-    candidates = finalists(runner, finalist_plans(runner))
+    candidates = finalists(runner)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
     by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, 2 * config.repeats)
     ratio = {name: weighted_ratio({s: t[name].median_ms / t["fp32"].median_ms for s, t in by_shape.items()},
