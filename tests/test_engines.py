@@ -211,3 +211,29 @@ def test_the_compiled_engine_takes_keyword_inputs_whose_batch_and_length_vary():
     single = tokens(1, 30)      # a shape none of the calibration batches had
     with torch.no_grad():
         assert torch.allclose(built(**single[1]), model(**single[1]), atol=0.05)
+
+
+class Int8PaysOnlyCompiled:
+    """Module costs that prune int8 (slower than fp32 run eagerly, as int8 convolutions can be), bf16 cheaper;
+    whole-model timings in which only the compiled model runs faster than the eager bf16 plans."""
+
+    sensitivity = CompiledIsFaster.sensitivity
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {n: {"int8": 1.5, "bf16": 0.8, "fp32": 1.0} for n in candidates}
+
+    def latency(self, models, inputs, repeats):
+        def ms(name, model):
+            return 3.0 if type(model).__name__ == "OptimizedModule" else 10.0 if name == "fp32" else 8.0
+        return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_path):
+    model = mlp()
+    settings = config(tmp_path, engines=["eager", "compiled"],
+                      config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]))
+    result = autotune(model, settings, fidelity(model), batches(1)[0][0][0], measurer=Int8PaysOnlyCompiled())
+    tried = [t.user_attrs["plan"] for t in result.study.trials if t.user_attrs.get("evaluated")]
+    assert tried and all("int8" not in plan.values() for plan in tried)   # pruned from the search
+    assert result.engine == "compiled" and set(result.plan.values()) == {"int8"}
+    assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]

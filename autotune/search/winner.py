@@ -15,7 +15,7 @@ from autotune.engines import Calibration, Engine, EngineUnavailable, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape
 from autotune.measure.shapes import weighted_ratio
-from autotune.plan import Plan, is_baseline, plan_key
+from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
 from autotune.search.trials import TrialRunner, score_of
 from autotune.storage import study as studies
 from autotune.timeout import call_with_timeout
@@ -46,12 +46,24 @@ class Winner:
 def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
     """Of the passing trials `engine` can realise: the three fastest and the fastest uniform plan, so the winner
     is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
-    wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise."""
+    wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
+
+    A compiling engine also gets every uniform plan it can realise over all tunable modules, evaluated or not:
+    the search predicts costs from modules run eagerly, which can prune a dtype that only pays off compiled
+    (int8 convolutions fused by inductor). Such a plan is re-evaluated before it can win, like every finalist."""
     passing = [t for t in studies.passing_trials(runner.study)
                if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
     uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
     best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform][:1]
-    return {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
+    plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
+    if engine.name != "eager":
+        known = {plan_key(plan) for plan in plans.values()}
+        candidates = studies.get_attr(runner.study, "candidates")
+        for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
+            plan = uniform_plan(candidates, dtype)
+            if plan_key(plan) not in known and engine.unsupported(plan) is None:
+                plans[f"uniform {dtype}"] = plan
+    return plans
 
 
 def finalists(runner: TrialRunner) -> dict[str, Finalist]:

@@ -57,10 +57,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-trials", type=int, default=20)
     parser.add_argument("--study-name", default=None)
     parser.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite under studies/)")
+    parser.add_argument("--engines", default="eager,compiled,inductor",
+                        help="how finalists may run (autotune.engines), comma-separated")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp16", "fp32"]),
                           tolerable_loss=args.tolerable_loss, max_trials=args.max_trials,
+                          engines=args.engines.split(","),
                           study_name=args.study_name, **({"storage": args.storage} if args.storage else {}))
     result = autotune(model(), config, accuracy_eval(*digits(args.digits)))
     print(result.summary())
