@@ -108,7 +108,7 @@ def ours(name: str, fp32: nn.Module, eval_fn, example, dtypes: list[str], max_tr
     """autotune with every engine, its latency measured at the shapes of `tuned_for` (equal weights)."""
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
                           max_trials=max_trials, engines=["eager", "compiled", "inductor"],
-                          storage=f"sqlite:///{folder}/p.db", study_name=name,
+                          storage=f"sqlite:///{folder}/p.db", study_name=name, compile_cache=f"{folder}/cache",
                           latency_inputs=[LatencyInput(batch=batch_size(inputs), weight=1.0)
                                           for inputs in tuned_for.values()])
     started = time.perf_counter()

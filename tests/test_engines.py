@@ -89,7 +89,7 @@ class CompiledIsFaster:
 def config(tmp_path, **more) -> TuningConfig:
     return TuningConfig(**{"config_set": MixedPrecisionConfig(dtype=["int8", "fp32"]), "tolerable_loss": 0.2,
                            "max_trials": 4, "storage": f"sqlite:///{tmp_path}/e.db", "study_name": "engines",
-                           "engines": ["eager", "compiled"], **more})
+                           "engines": ["eager", "compiled"], "compile_cache": str(tmp_path / "cache"), **more})
 
 
 def fidelity(reference_model: nn.Module):
@@ -237,3 +237,40 @@ def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_p
     assert tried and all("int8" not in plan.values() for plan in tried)   # pruned from the search
     assert result.engine == "compiled" and set(result.plan.values()) == {"int8"}
     assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]
+
+
+def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, monkeypatch):
+    from autotune.engines import CompileCache
+
+    builds, loaded = [], []
+    build, load_artefacts = CompiledEngine.build, CompileCache.load_compiler_artefacts
+    monkeypatch.setattr(CompiledEngine, "build", lambda self, *args: builds.append(1) or build(self, *args))
+    monkeypatch.setattr(CompileCache, "load_compiler_artefacts",
+                        lambda self: loaded.append(load_artefacts(self)) or loaded[-1])
+    model, x = mlp(), batches(1)[0][0][0]
+    first = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    kept = tmp_path / "cache" / "engines"
+    assert builds and first.engine == "compiled" and loaded == [False]
+    assert len(list(kept.glob("compiled-*.built"))) == len(builds) and (kept / "compiler.bin").is_file()
+
+    builds.clear()
+    again = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())   # resumed
+    assert builds == [] and loaded == [False, True]     # every finalist read back, the compiler's work handed back
+    assert again.engine == "compiled" and again.plan == first.plan
+    with torch.no_grad():
+        assert torch.allclose(again.model(x), first.model(x))
+
+
+def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tmp_path, caplog):
+    from autotune.engines import CompileCache
+    from autotune.plan import plan_id
+
+    cache, model, plan = CompileCache(tmp_path), mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
+    kept = tmp_path / f"compiled-{plan_id(plan)}.built"
+    kept.write_bytes(b"cut short")
+    built = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
+    assert "cannot read" in caplog.text and weight_of_each_linear(built) == plan
+    reread = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        assert torch.equal(reread(x), built(x))

@@ -152,6 +152,10 @@ class TuningConfig(ConfigModel):
                     "timed in each, the fastest passing one wins")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
+    compile_cache: str | None = Field(
+        f"{DEFAULT_STUDIES_DIR}/cache/compiled", min_length=1,
+        description="folder where finalists of compiling engines and the compiler's artefacts are kept per study, "
+                    "so a resumed study compiles nothing again (machine-local); null: kept nowhere")
     objective: Literal["latency", "pareto"] = Field(
         "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
                                "latency vs accuracy loss (study.best_trials)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from autotune.engines.base import Calibration, Engine, EngineUnavailable
+from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
 from autotune.engines.pt2e import CompiledEngine
@@ -42,5 +43,5 @@ def get_engine(name: str) -> Engine:
         raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["Calibration", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES", "InductorEngine",
-           "get_engine", "realise"]
+__all__ = ["Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES",
+           "InductorEngine", "get_engine", "realise"]

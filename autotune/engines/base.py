@@ -42,3 +42,6 @@ class Engine(Protocol):
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
         """Writes `built` to `path`; returns how to load it."""
+
+    def load(self, path: str) -> nn.Module:
+        """What `save` wrote, as `build` returned it."""

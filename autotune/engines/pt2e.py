@@ -77,3 +77,6 @@ class CompiledEngine:
     def save(self, built: nn.Module, inputs, path: str) -> str:
         torch.export.save(export(built, inputs), path)
         return "torch.compile(torch.export.load(path).module())"
+
+    def load(self, path: str) -> nn.Module:
+        return torch.export.load(path).module()

@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import Calibration, Engine, EngineUnavailable, get_engine
+from autotune.engines import Calibration, CompileCache, Engine, EngineUnavailable, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape
 from autotune.measure.shapes import weighted_ratio
@@ -71,6 +71,9 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
     with its reason logged and kept on the study (`engine_fallback`)."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
+    compiling = any(engine != "eager" for engine in runner.config.engines)
+    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
+    cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
@@ -80,23 +83,26 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
             plans["fp32"] = fp32
         try:
             for name, plan in plans.items():
-                found[name + suffix] = _ready(engine, plan, runner, calibration)
+                found[name + suffix] = _ready(engine, plan, runner, calibration, cache)
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
+    cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
 
 
-def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration) -> Finalist:
-    """`plan` built in `engine` and called once at every shape, which is when torch.compile compiles: the
-    seconds all that took are the plan's set-up cost in this engine (kept on the study).
+def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
+           cache: CompileCache) -> Finalist:
+    """`plan` built in `engine` (or read back from the study's compile cache) and called once at every shape,
+    which is when torch.compile compiles: the seconds all that took are the plan's set-up cost in this engine
+    (kept on the study).
 
     Raises:
         EngineUnavailable: the first calls failed (e.g. the compiler could not handle the model).
     """
     started = time.perf_counter()
-    built = engine.build(runner.fp32, plan, calibration)
+    built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs)
     runnable = engine.runnable(built)
     try:
         with torch.inference_mode():

@@ -1,0 +1,64 @@
+"""Finalists of compiling engines kept on disk between runs of a study, so a resumed study rebuilds and
+recompiles nothing it did before: each finalist as built (saved the way `autotune apply` saves it), by engine
+and plan, and the compiler's own artefacts (`torch.compiler.save_cache_artifacts`). Machine-local: compiled code
+is specific to the CPU or GPU it was made for, so each machine keeps its own."""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autotune.backends.base import CallInputs
+from autotune.engines.base import Calibration, Engine
+from autotune.plan import Plan, plan_id
+
+log = logging.getLogger("autotune")
+COMPILER_ARTEFACTS = "compiler.bin"
+
+
+class CompileCache:
+    def __init__(self, folder: Path | None):
+        self.folder = folder   # None: nothing is kept
+
+    @classmethod
+    def for_study(cls, root: str | None, study_name: str) -> CompileCache:
+        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) if root else None)
+
+    def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
+              inputs: CallInputs) -> nn.Module:
+        """`plan` built in `engine`: read back if this study built it before, else built and kept."""
+        if self.folder is None or engine.name == "eager":    # eager builds cost less than reading them back
+            return engine.build(fp32, plan, calibration)
+        path = self.folder / f"{engine.name}-{plan_id(plan)}.built"
+        if path.is_file():
+            try:
+                return engine.load(str(path))
+            except Exception as exc:  # a file of another torch version, or cut short: build it again
+                log.warning("compile cache: cannot read %s (%s: %s); building again", path, type(exc).__name__, exc)
+        built = engine.build(fp32, plan, calibration)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        engine.save(built, inputs, str(partial))
+        partial.replace(path)
+        return built
+
+    def load_compiler_artefacts(self) -> bool:
+        """Hands the compiler what it kept for this study; whether there was anything."""
+        path = self.folder / COMPILER_ARTEFACTS if self.folder else None
+        if path is None or not path.is_file():
+            return False
+        return torch.compiler.load_cache_artifacts(path.read_bytes()) is not None
+
+    def save_compiler_artefacts(self) -> None:
+        """Keeps what the compiler made in this process (for this study's finalists, and whatever else it
+        compiled here: the artefacts are not told apart by model)."""
+        saved = torch.compiler.save_cache_artifacts() if self.folder else None
+        if saved is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / (COMPILER_ARTEFACTS + ".partial")
+        partial.write_bytes(saved[0])
+        partial.replace(self.folder / COMPILER_ARTEFACTS)
