@@ -43,6 +43,7 @@ class TuningResult:
     wall_time_s: float
     engine: str = "eager"    # how `model` runs: autotune.engines
     shapes: list[ShapeLatency] = field(default_factory=list)   # every shape timed; baseline/best: the first
+    knobs: tuple[str, ...] = ()   # model-level knobs `model` runs with: autotune.engines.knobs
 
     @property
     def speedup(self) -> float:
@@ -56,7 +57,8 @@ class TuningResult:
                 ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
-        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}   engine {self.engine}",
+        engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
+        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}   engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         if len(self.shapes) > 1:

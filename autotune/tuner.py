@@ -167,10 +167,11 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                      "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
+                                     "knobs": list(winner.knobs),
                                      "speedup_by_shape": {shape.name: shape.speedup for shape in shapes}})
     return TuningResult(
         model=winner.model, plan=winner.plan, study=study,
         baseline=Measurement(runner.baseline, first["fp32"], weight_bytes(runner.fp32)),
         best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
-        wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes)
+        wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs)

@@ -30,7 +30,7 @@ from autotune.cli.base import (
 from autotune.clone import clone
 from autotune.config import FileConfig, TuningConfig, load_config
 from autotune.discovery import search_candidates
-from autotune.engines import ENGINES, Calibration, get_engine, realise
+from autotune.engines import ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import table
@@ -192,7 +192,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet (tuning has not finished)")
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, "baseline_accuracy"),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
-            "plan": best["plan"]}
+            "knobs": best.get("knobs", []), "plan": best["plan"]}
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:
@@ -202,9 +202,9 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         click.echo(text, nl=False)
 
 
-def read_plan(path: str) -> tuple[Plan, str]:
-    """(plan, engine) of a plan file from `autotune export` (JSON or YAML), or of a bare {module: dtype} mapping
-    (the eager engine)."""
+def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...]]:
+    """(plan, engine, knobs) of a plan file from `autotune export` (JSON or YAML), or of a bare {module: dtype}
+    mapping (the eager engine, no knobs)."""
     try:
         data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
     except yaml.YAMLError as exc:
@@ -215,7 +215,10 @@ def read_plan(path: str) -> tuple[Plan, str]:
     engine = data.get("engine", "eager") if "plan" in data else "eager"
     if engine not in ENGINES:
         raise CliError(f"{path}: unknown engine {engine!r}; known: {sorted(ENGINES)}")
-    return plan, engine
+    knobs = data.get("knobs") or [] if "plan" in data else []
+    if not isinstance(knobs, list) or not all(knob in KNOBS for knob in knobs):
+        raise CliError(f"{path}: knobs must be a list of {sorted(KNOBS)}; got {knobs!r}")
+    return plan, engine, tuple(knobs)
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
@@ -234,14 +237,16 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     applied = apply_saved_plan(load_config(config_path), plan_path)
     loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], out)
+    knobs = f" with {', '.join(applied.knobs)}" if applied.knobs else ""
     click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {summarize(applied.plan)} in the {applied.engine} "
-               f"engine; load it with {loads_with}")
+               f"engine{knobs}; load it with {loads_with}")
 
 
 @dataclass(frozen=True)
 class AppliedPlan:
     plan: Plan
     engine: str
+    knobs: tuple[str, ...]
     fp32: torch.nn.Module
     built: torch.nn.Module     # the plan in its engine, reference numerics (what `apply` saves)
     batches: list              # the config's example inputs, or the first batches its eval_fn feeds the model
@@ -249,7 +254,7 @@ class AppliedPlan:
 
 def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     """The config's model with the plan file's plan realised in its recorded engine."""
-    plan, engine = read_plan(plan_path)
+    plan, engine, knobs = read_plan(plan_path)
     model = config.build_model().eval().to(torch.device(config.tuning.device))
     try:
         validate_plan(plan, search_candidates(model, config.tuning))
@@ -258,7 +263,8 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     batches = calibration_batches(config, model)
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
-    return AppliedPlan(plan, engine, model, realise(model, plan, engine, calibration), batches)
+    return AppliedPlan(plan, engine, knobs, model, realise(with_knobs(model, knobs), plan, engine, calibration),
+                       batches)
 
 
 @main.command(name="list")

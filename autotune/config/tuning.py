@@ -152,6 +152,10 @@ class TuningConfig(ConfigModel):
                     "timed in each, the fastest passing one wins")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
+    knobs: list[Literal["channels_last", "fold_bn"]] = Field(
+        default_factory=lambda: ["channels_last", "fold_bn"],
+        description="model-level knobs tried on each engine's best finalist, each kept only where re-timed "
+                    "faster (autotune.engines.knobs); a knob the model has no use for is not tried")
     compile_cache: str | None = Field(
         f"{DEFAULT_STUDIES_DIR}/cache/compiled", min_length=1,
         description="folder where finalists of compiling engines and the compiler's artefacts are kept per study, "
@@ -173,7 +177,7 @@ class TuningConfig(ConfigModel):
     grace_period: int = Field(30, ge=2, description="a running trial this long without a heartbeat is marked "
                                                     "FAILED and its plan queued again")
 
-    _single_to_list = field_validator("config_set", "engines", "latency_inputs", mode="before")(
+    _single_to_list = field_validator("config_set", "engines", "latency_inputs", "knobs", mode="before")(
         lambda value: _as_list(value))
 
     @field_validator("device")

@@ -11,6 +11,7 @@ from autotune.engines.base import Calibration, Engine, EngineUnavailable
 from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
+from autotune.engines.knobs import KNOBS, Knob, with_knobs
 from autotune.engines.pt2e import CompiledEngine
 from autotune.plan import Plan
 
@@ -44,4 +45,4 @@ def get_engine(name: str) -> Engine:
 
 
 __all__ = ["Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES",
-           "InductorEngine", "get_engine", "realise"]
+           "InductorEngine", "KNOBS", "Knob", "get_engine", "realise", "with_knobs"]

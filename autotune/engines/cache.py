@@ -28,11 +28,12 @@ class CompileCache:
         return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) if root else None)
 
     def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
-              inputs: CallInputs) -> nn.Module:
-        """`plan` built in `engine`: read back if this study built it before, else built and kept."""
+              inputs: CallInputs, knobs: tuple[str, ...] = ()) -> nn.Module:
+        """`plan` built in `engine` on `fp32` (set with `knobs`): read back if this study built it before, else
+        built and kept."""
         if self.folder is None or engine.name == "eager":    # eager builds cost less than reading them back
             return engine.build(fp32, plan, calibration)
-        path = self.folder / f"{engine.name}-{plan_id(plan)}.built"
+        path = self.folder / ("-".join([engine.name, plan_id(plan), *knobs]) + ".built")
         if path.is_file():
             try:
                 return engine.load(str(path))
@@ -40,7 +41,7 @@ class CompileCache:
                 log.warning("compile cache: cannot read %s (%s: %s); building again", path, type(exc).__name__, exc)
         built = engine.build(fp32, plan, calibration)
         self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
+        partial = path.with_name(path.name + ".partial")
         engine.save(built, inputs, str(partial))
         partial.replace(path)
         return built

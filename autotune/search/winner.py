@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import Calibration, CompileCache, Engine, EngineUnavailable, get_engine
+from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, get_engine, with_knobs
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape
 from autotune.measure.shapes import weighted_ratio
@@ -30,6 +30,7 @@ class Finalist:
     built: nn.Module        # reference numerics: what accuracy is measured on
     runnable: nn.Module     # what is timed and returned
     setup_s: float          # building it and its first calls (compilation) at every shape
+    knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Winner:
     by_shape: dict[str, dict[str, LatencyStats]]   # {shape: {"fp32": ..., "best": ...}}, re-timed together
     ratio: float                                   # the weighted latency ratio to fp32 over the shapes
     setup_s: float = 0.0                           # its build and first calls (compilation) in its engine
+    knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
 
 
 def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
@@ -84,6 +86,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         try:
             for name, plan in plans.items():
                 found[name + suffix] = _ready(engine, plan, runner, calibration, cache)
+            found.update(_with_knobs(engine, plans, suffix, runner, cache))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
@@ -92,8 +95,27 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     return found
 
 
+def _with_knobs(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner,
+                cache: CompileCache) -> dict[str, Finalist]:
+    """The engine's best finalist plan with each configured knob the model has a use for; a knob the model or
+    the engine cannot take is left out with its reason logged."""
+    best = next(iter(plans.items()), None)
+    found: dict[str, Finalist] = {}
+    for knob in (KNOBS[name] for name in runner.config.knobs):
+        if best is None or knob.supports(runner.fp32) is not None:
+            continue
+        # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
+        calibration = Calibration(runner.batches, runner.calibration)
+        try:
+            found[f"{best[0]}{suffix} +{knob.name}"] = _ready(engine, best[1], runner, calibration, cache,
+                                                              (knob.name,))
+        except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
+            log.warning("%s is not tried in the %s engine: %s: %s", knob.name, engine.name, type(exc).__name__, exc)
+    return found
+
+
 def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
-           cache: CompileCache) -> Finalist:
+           cache: CompileCache, knobs: tuple[str, ...] = ()) -> Finalist:
     """`plan` built in `engine` (or read back from the study's compile cache) and called once at every shape,
     which is when torch.compile compiles: the seconds all that took are the plan's set-up cost in this engine
     (kept on the study).
@@ -102,7 +124,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         EngineUnavailable: the first calls failed (e.g. the compiler could not handle the model).
     """
     started = time.perf_counter()
-    built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs)
+    built = cache.build(engine, with_knobs(runner.fp32, knobs), plan, calibration, runner.inputs, knobs)
     runnable = engine.runnable(built)
     try:
         with torch.inference_mode():
@@ -110,7 +132,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
                 call(runnable, shape.inputs)
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
         raise EngineUnavailable(f"{engine.name}: the first call failed: {type(exc).__name__}: {exc}"[:300]) from exc
-    return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started)
+    return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
 
 
 def verified_winner(runner: TrialRunner) -> Winner:
@@ -133,7 +155,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
             continue
         if config.passes(runner.baseline, accuracy):
             return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
-                          ratio[name], finalist.setup_s)
+                          ratio[name], finalist.setup_s, finalist.knobs)
         log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
                     name, accuracy)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
