@@ -16,7 +16,9 @@ Workloads:
            relative, all-int8 loses 4x that; oracle = exact knapsack DP; eval_fn sleeps SIM_EVAL_S per call
 Real workloads' speedups are all timed in ONE interleaved run (fp32 and every method's final model); the
 simulator's are its known latency function. Random search gets as many eval_fn calls as autotune used in total;
-INC gets that many trials (benchmarks/peers/inc.py; run under .venv-bench, n/a where it is not installed).
+INC gets that many trials over its strongest CPU config set here, the PT2E static then dynamic int8 sets
+(benchmarks/peers/inc.py; run under .venv-bench, n/a where it is not installed; its fp16/bf16 mixed-precision set
+emulates fp16 on CPUs without it, which no informed user would run).
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def run_real(workload: str, quick: bool) -> list[dict]:
     notes = []
     try:
         from benchmarks.peers.inc import run_inc
-        inc = run_inc(fp32, eval_fn, example, tolerable_loss=TOLERANCE, max_trials=ours.eval_calls)
+        inc = run_inc(fp32, eval_fn, example, tolerable_loss=TOLERANCE, max_trials=ours.eval_calls, configs="int8")
         if inc["model"] is None:
             notes.append(f"INC: {inc['error']}")
         else:
