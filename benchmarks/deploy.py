@@ -12,7 +12,7 @@ within that run):
                         eval_fn feeds it), then `torch.compile`: the uniform int8 plan of autotune's compiled engine
   INC int8              Intel Neural Compressor 3.x `autotune` over its static then dynamic PT2E int8 config sets
                         (benchmarks/peers/inc.py; under .venv-bench, else a row saying why not)
-  autotune (batch N)    int8/bf16/fp16/fp32 per module, engines eager, compiled and inductor, tolerance 0.01
+  autotune (batch N)    int8/bf16/fp16/fp32 per module, engines eager, compiled, inductor and lowp, tolerance 0.01
                         relative, latency measured at the eval batch (the default)
   autotune (both shapes)  the same with latency_inputs at both shapes, equal weights
 The "both shapes" column is each candidate's speedup under that equal-weight objective (1 / mean latency ratio):
@@ -107,7 +107,7 @@ def ours(name: str, fp32: nn.Module, eval_fn, example, dtypes: list[str], max_tr
          tuned_for: dict, folder: str) -> Candidate:
     """autotune with every engine, its latency measured at the shapes of `tuned_for` (equal weights)."""
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
-                          max_trials=max_trials, engines=["eager", "compiled", "inductor"],
+                          max_trials=max_trials, engines=["eager", "compiled", "inductor", "lowp"],
                           storage=f"sqlite:///{folder}/p.db", study_name=name, compile_cache=f"{folder}/cache",
                           latency_inputs=[LatencyInput(batch=batch_size(inputs), weight=1.0)
                                           for inputs in tuned_for.values()])

@@ -58,3 +58,17 @@ def test_tuning_on_cuda_prunes_cpu_only_int8_meets_the_tolerance_and_leaves_the_
     # The user's model: bit for bit as it was, still on the CPU.
     assert_state_equal(model, before)
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_the_low_precision_engine_runs_the_model_in_fp16_with_fp32_islands_on_cuda():
+    from autotune.engines import Calibration, LowPrecisionEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256)).eval().cuda()
+    x = torch.randn(64, 256, device="cuda")
+    engine = LowPrecisionEngine()
+    built = engine.build(model, {"0": "fp16", "3": "fp32"}, Calibration([], {}))
+    assert built[0].weight.dtype == built[1].weight.dtype == torch.float16 and built[3].weight.dtype == torch.float32
+    with torch.no_grad():
+        out = engine.runnable(built)(x)
+        assert out.dtype == torch.float32 and torch.allclose(out, model(x), atol=0.05, rtol=0.05)

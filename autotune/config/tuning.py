@@ -145,11 +145,12 @@ class TuningConfig(ConfigModel):
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
-    engines: list[Literal["eager", "compiled", "inductor"]] = Field(
+    engines: list[Literal["eager", "compiled", "inductor", "lowp"]] = Field(
         default_factory=lambda: ["eager"], min_length=1,
-        description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor) and/or "
-                    "inductor (the eager plan under torch.compile, its all-fp32 plan included); each finalist is "
-                    "timed in each, the fastest passing one wins")
+        description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor), "
+                    "inductor (the eager plan under torch.compile, its all-fp32 plan included) and/or lowp (the "
+                    "whole model in the plan's bf16 or fp16 with fp32 islands, compiled); each finalist is timed "
+                    "in each that can realise it, the fastest passing one wins")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
     knobs: list[Literal["channels_last", "fold_bn"]] = Field(

@@ -1,8 +1,9 @@
 """Engines: how a whole plan is realised as a runnable model. `eager` swaps each module for its technique's
 module (autotune.plan.apply_plan); `compiled` exports the model, quantises it with PyTorch 2 export
 quantisation (torchao's X86InductorQuantizer, the plan's fp32 modules left out) and compiles it with inductor,
-so adjacent int8 ops stay int8 and fuse; `inductor` compiles the eager plan whole with torch.compile. Which one a
-plan runs in is decided by timing them."""
+so adjacent int8 ops stay int8 and fuse; `inductor` compiles the eager plan whole with torch.compile; `lowp` runs
+the whole model in the plan's low dtype with fp32 islands, compiled. Which one a plan runs in is decided by timing
+them."""
 from __future__ import annotations
 
 from torch import nn
@@ -12,10 +13,12 @@ from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
 from autotune.engines.knobs import KNOBS, Knob, with_knobs
+from autotune.engines.lowp import LowPrecisionEngine
 from autotune.engines.pt2e import CompiledEngine
 from autotune.plan import Plan
 
-ENGINES: dict[str, Engine] = {"eager": EagerEngine(), "compiled": CompiledEngine(), "inductor": InductorEngine()}
+ENGINES: dict[str, Engine] = {"eager": EagerEngine(), "compiled": CompiledEngine(), "inductor": InductorEngine(),
+                              "lowp": LowPrecisionEngine()}
 
 
 def realise(fp32: nn.Module, plan: Plan, engine: str, calibration: Calibration) -> nn.Module:
@@ -45,4 +48,4 @@ def get_engine(name: str) -> Engine:
 
 
 __all__ = ["Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES",
-           "InductorEngine", "KNOBS", "Knob", "get_engine", "realise", "with_knobs"]
+           "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine", "get_engine", "realise", "with_knobs"]

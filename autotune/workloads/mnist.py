@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-trials", type=int, default=20)
     parser.add_argument("--study-name", default=None)
     parser.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite under studies/)")
-    parser.add_argument("--engines", default="eager,compiled,inductor",
+    parser.add_argument("--engines", default="eager,compiled,inductor,lowp",
                         help="how finalists may run (autotune.engines), comma-separated")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -1,0 +1,76 @@
+"""The low-precision engine: the whole model in the plan's low dtype, as `model.half()` does (every float
+parameter and buffer, so LayerNorm, embeddings, activations and residual adds run in it too), the modules the
+plan keeps in fp32 as fp32 islands, with casts only where precision changes (into and out of an island, and at
+the model's float inputs and outputs), then compiled by inductor. This is a GPU user's `torch.compile(
+model.half())` with the tuner's fallback to fp32 where the tolerance needs it; on CPUs with native bf16 it runs
+the same way. Numerics change beyond the plan's modules, so every finalist is re-evaluated as usual."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotune.backends.base import CallInputs
+from autotune.clone import clone
+from autotune.engines.base import Calibration
+from autotune.plan import Plan
+from autotune.tree import map_tensors
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cast(value, dtype: torch.dtype):
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return _cast(args, dtype), _cast(kwargs, dtype)
+
+
+def _cast_output(dtype: torch.dtype, module: nn.Module, args: tuple, output):
+    return _cast(output, dtype)
+
+
+def _cast_at_edges(module: nn.Module, inside: torch.dtype, outside: torch.dtype) -> None:
+    """Float inputs cast to `inside` on the way in, float outputs to `outside` on the way out (hooks, so module
+    names and the model's class stay as they were)."""
+    module.register_forward_pre_hook(functools.partial(_cast_inputs, inside), with_kwargs=True)
+    module.register_forward_hook(functools.partial(_cast_output, outside))
+
+
+@dataclass(frozen=True)
+class LowPrecisionEngine:
+    name: str = "lowp"
+
+    def unsupported(self, plan: Plan) -> str | None:
+        lowered = set(plan.values()) - {"fp32"}
+        if not lowered:
+            return "the plan keeps every module in fp32"
+        if not lowered <= set(LOW):
+            return f"the low-precision engine realises {sorted(LOW)} and fp32 only, not {sorted(lowered - set(LOW))}"
+        if len(lowered) > 1:
+            return "the low-precision engine runs one low dtype per model"
+        return None
+
+    def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
+        low = LOW[next(dtype for dtype in plan.values() if dtype != "fp32")]
+        model = clone(fp32).to(low)
+        _cast_at_edges(model, low, torch.float32)
+        for name, dtype in plan.items():
+            if dtype == "fp32":
+                island = model.get_submodule(name).to(torch.float32)
+                island.load_state_dict(fp32.get_submodule(name).state_dict())   # its weights never rounded
+                _cast_at_edges(island, torch.float32, low)
+        return model
+
+    def runnable(self, built: nn.Module) -> nn.Module:
+        return torch.compile(built)
+
+    def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
+        torch.save(built, path)
+        return "torch.compile(torch.load(path, weights_only=False)), where autotune is importable"
+
+    def load(self, path: str) -> nn.Module:
+        return torch.load(path, weights_only=False)

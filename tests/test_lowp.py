@@ -1,0 +1,52 @@
+"""The low-precision engine: the whole model in the plan's low dtype (LayerNorm and activations too, as
+`model.half()` does), the plan's fp32 modules as fp32 islands with their weights unrounded, casts only at the
+edges, the given model untouched; it realises one low dtype and fp32 only."""
+import pytest
+import torch
+from conftest import assert_state_equal, state_snapshot
+from torch import nn
+
+from autotune.engines import Calibration, LowPrecisionEngine
+
+X = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+PLAN = {"0": "bf16", "3": "fp32", "4": "bf16"}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4)).eval()
+
+
+def test_the_model_runs_in_the_low_dtype_with_fp32_islands_and_fp32_at_its_edges():
+    fp32 = model()
+    before = state_snapshot(fp32)
+    built = LowPrecisionEngine().build(fp32, PLAN, Calibration([], {}))
+    assert built[0].weight.dtype == built[1].weight.dtype == built[4].weight.dtype == torch.bfloat16
+    assert built[3].weight.dtype == torch.float32 and torch.equal(built[3].weight, fp32[3].weight)
+    seen = {}
+    built[3].register_forward_pre_hook(lambda m, args: seen.update(island=args[0].dtype))
+    built[4].register_forward_pre_hook(lambda m, args: seen.update(after=args[0].dtype))
+    with torch.no_grad():
+        out, reference = built(X), fp32(X)
+    assert seen == {"island": torch.float32, "after": torch.bfloat16}
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
+    assert_state_equal(fp32, before)
+
+
+@pytest.mark.parametrize(("plan", "reason"), [
+    ({"0": "fp32", "3": "fp32", "4": "fp32"}, "every module in fp32"),
+    ({"0": "int8", "3": "fp32", "4": "bf16"}, "not ['int8']"),
+    ({"0": "bf16", "3": "fp16", "4": "fp32"}, "one low dtype per model"),
+])
+def test_what_the_engine_cannot_realise_is_said(plan, reason):
+    assert reason in LowPrecisionEngine().unsupported(plan)
+
+
+def test_saved_and_loaded_it_runs_the_same_and_compiled_it_agrees(tmp_path):
+    engine = LowPrecisionEngine()
+    built = engine.build(model(), PLAN, Calibration([], {}))
+    engine.save(built, ((X,), {}), str(tmp_path / "m.pt"))
+    loaded = engine.load(str(tmp_path / "m.pt"))
+    with torch.no_grad():
+        assert torch.equal(loaded(X), built(X))
+        assert torch.allclose(engine.runnable(loaded)(X), built(X), atol=1e-2)
