@@ -4,7 +4,7 @@ from torch import nn
 from torch.utils import benchmark
 
 from autotune.measure import fixed_threads, measure_latency, weight_bytes
-from autotune.measure.latency import MIN_ROUNDS, settled
+from autotune.measure.latency import MIN_ROUNDS, settled, still_racing
 
 
 def test_interleaved_latency_orders_a_heavier_model_after_a_lighter_one_and_stops_once_settled():
@@ -35,6 +35,16 @@ def test_three_variants_settle_only_when_the_two_close_ones_are_told_apart_or_pr
     noisy_b = [0.64, 0.72, 0.69, 0.61, 0.73, 0.65, 0.70, 0.62]
     assert not settled({"fp32": [1.0] * rounds, "a": noisy_a, "b": noisy_b})
     assert settled({"fp32": [1.0] * rounds, "a": noisy_a, "b": [0.3] * rounds})
+
+
+def test_a_variant_clearly_slower_than_the_fastest_stops_being_timed_the_reference_never():
+    rounds = 6
+    fast = [0.50, 0.56, 0.52, 0.58, 0.51, 0.55]
+    close = [0.54, 0.50, 0.57, 0.52, 0.56, 0.53]       # overlaps the fastest: still in the race
+    samples = {"fp32": [1.0] * rounds, "fast": fast, "close": close, "slow": [0.9] * rounds}
+    assert still_racing(samples) == ["fp32", "fast", "close"]
+    assert still_racing({name: times[:2] for name, times in samples.items()}) == list(samples)  # too few rounds
+    assert still_racing({"fp32": [1.0] * rounds, "slow": [3.0] * rounds}) == ["fp32", "slow"]  # nothing to race
 
 
 def test_samples_feed_torch_benchmark_compare():

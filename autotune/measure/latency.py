@@ -82,24 +82,41 @@ def _stats(samples_s: list[float]) -> LatencyStats:
     return LatencyStats(median, q3 - q1, len(ms), tuple(ms))
 
 
-def settled(samples: dict[str, list[float]], precision: float = PRECISION) -> bool:
-    """Whether more rounds could change the comparison: each variant's per-round ratio to the first variant has
-    a median notch (median ± 1.57 IQR / √rounds) that is narrower than ±precision, or that overlaps no other
-    variant's notch (the first variant's is exactly 1). A single variant settles on its own samples' notch."""
+def _notches(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
+    """(low, median, high) of each variant's per-round ratio to the first variant: the median notch, median ±
+    1.57 IQR / √rounds; the first variant's is exactly 1. A single variant's is of its samples over their median."""
     names = list(samples)
     rounds = len(samples[names[0]])
-    if rounds < MIN_ROUNDS:
-        return False
     reference = samples[names[0]] if len(names) > 1 else [statistics.median(samples[names[0]])] * rounds
     notches = {}
     for name in names[1:] or names:
         q1, median, q3 = _quartiles([a / b for a, b in zip(samples[name], reference)])
         half = 1.57 * (q3 - q1) / math.sqrt(rounds)
-        notches[name] = (median - half, median + half, half <= precision * median)
-    notches.setdefault(names[0], (1.0, 1.0, True))
-    return all(precise or all(high < low_o or low > high_o for other, (low_o, high_o, _) in notches.items()
-                              if other != name)
-               for name, (low, high, precise) in notches.items())
+        notches[name] = (median - half, median, median + half)
+    notches.setdefault(names[0], (1.0, 1.0, 1.0))
+    return notches
+
+
+def settled(samples: dict[str, list[float]], precision: float = PRECISION) -> bool:
+    """Whether more rounds could change the comparison: each variant's ratio to the first variant has a median
+    notch narrower than ±precision, or one that overlaps no other variant's (the first variant's is exactly 1)."""
+    if len(next(iter(samples.values()))) < MIN_ROUNDS:
+        return False
+    notches = _notches(samples)
+    return all(high - low <= 2 * precision * median
+               or all(high < low_o or low > high_o for other, (low_o, _, high_o) in notches.items() if other != name)
+               for name, (low, median, high) in notches.items())
+
+
+def still_racing(samples: dict[str, list[float]]) -> list[str]:
+    """The variants worth more rounds: the first (every ratio is to it) and each whose ratio notch reaches below
+    the top of the fastest variant's; one clearly slower than the fastest can no longer come first."""
+    names = list(samples)
+    if len(names) <= 2 or len(samples[names[0]]) < MIN_ROUNDS:
+        return names
+    notches = _notches(samples)
+    best_high = min(notches[name][2] for name in names[1:])
+    return [names[0], *(name for name in names[1:] if notches[name][0] <= best_high)]
 
 
 def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], threads: int) -> dict[str, benchmark.Timer]:
@@ -112,7 +129,8 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
                     warmup: int = 3, repeats: int = 15, num_threads: int | None = None,
                     precision: float = PRECISION) -> dict[str, LatencyStats]:
     """Times every model on its inputs (one shared input, or one per model): at least MIN_ROUNDS and at most
-    `repeats` interleaved rounds, fewer once `settled`. Returns per-call statistics of each model's samples.
+    `repeats` interleaved rounds, fewer once `settled`; a model clearly slower than the fastest stops being
+    timed (`still_racing`), the first one never. Returns per-call statistics of each model's samples.
     Timer synchronises the accelerator (CUDA) around every block, so device work is timed to its end."""
     per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
     threads = num_threads or torch.get_num_threads()
@@ -123,10 +141,13 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
         for name in names:   # what a first call needs (compilation, lazy initialisation, caches)
             for _ in range(warmup):
                 call(models[name], per_model[name])
+        racing = names
         for round_index in range(max(repeats, MIN_ROUNDS)):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
+            shift = round_index % len(racing)
+            for name in racing[shift:] + racing[:shift]:
                 samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
-            if settled(samples, precision):
+            timed = {name: samples[name] for name in racing}
+            if settled(timed, precision):
                 break
+            racing = still_racing(timed)
     return {name: _stats(times) for name, times in samples.items()}
