@@ -111,10 +111,11 @@ def needs_cuda():
 
 class HalfCostMeasurer:
     """Every module in a lowered dtype costs half its fp32 time (no timing noise, no time spent measuring); the
-    plan of each timed model is read back from the modules at `names`."""
+    plan of each timed model is read back from the modules at `names`. Subclasses that script whole-model
+    timings otherwise override `latency` and keep these per-module signals."""
 
-    def __init__(self, names: list[str]):
-        self.names = names
+    def __init__(self, names: list[str] = ()):
+        self.names = list(names)
 
     def sensitivity(self, fp32, candidates, inputs, calibration):
         return {name: {d: 0.0 if d == "fp32" else 1e-3 for d in dtypes} for name, dtypes in candidates.items()}
@@ -129,3 +130,36 @@ class HalfCostMeasurer:
         def ms(model):
             return sum(1.0 if dtype == "fp32" else 0.5 for dtype in plan_of(model, self.names).values())
         return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
+
+
+def fidelity(model: torch.nn.Module, x: torch.Tensor):
+    """An eval_fn: 1 - the relative error of a model's output on `x` against `model`'s."""
+    with torch.no_grad():
+        reference = model(x)
+
+    def eval_fn(net):
+        with torch.no_grad():
+            return 1 - ((net(x) - reference).norm() / reference.norm()).item()
+    return eval_fn
+
+
+def export_then_apply(folder, study: str, storage: str, model_factory: str, inputs_factory: str):
+    """`autotune export` of the study's best plan to folder/plan.json, then `autotune apply` of that file to a
+    config naming the two factories, saved to folder/applied.pt. Returns (the plan file's data, apply's output)."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+
+    runner = CliRunner()
+    exported = runner.invoke(main, ["export", study, "--storage", storage, "--out", str(folder / "plan.json")])
+    assert exported.exit_code == 0, exported.output
+    (folder / "apply.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": model_factory}, "evaluation": {"eval_fn": model_factory},   # eval_fn never called
+        "example_inputs": {"factory": inputs_factory}}))
+    applied = runner.invoke(main, ["apply", str(folder / "plan.json"), "--config", str(folder / "apply.yaml"),
+                                   "--out", str(folder / "applied.pt")])
+    assert applied.exit_code == 0, applied.output
+    return json.loads((folder / "plan.json").read_text()), applied.output

@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from conftest import HalfCostMeasurer
+from conftest import fidelity as fidelity_on
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
@@ -68,15 +70,9 @@ class Branchy(nn.Module):
         return out if out.sum() > 0 else -out
 
 
-class CompiledIsFaster:
+class CompiledIsFaster(HalfCostMeasurer):
     """Per-module signals that favour int8, and whole-model timings in which a compiled model runs at 0.4 of
     fp32 and an eager lowered one at 0.7 (no real timing: the tests are about which engine is kept)."""
-
-    def sensitivity(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()}
-
-    def module_latency(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         def ms(name, model):
@@ -93,14 +89,7 @@ def config(tmp_path, **more) -> TuningConfig:
 
 
 def fidelity(reference_model: nn.Module):
-    x = batches(1)[0][0][0]
-    with torch.no_grad():
-        reference = reference_model(x)
-
-    def eval_fn(model):
-        with torch.no_grad():
-            return 1 - ((model(x) - reference).norm() / reference.norm()).item()
-    return eval_fn
+    return fidelity_on(reference_model, batches(1)[0][0][0])
 
 
 def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_study(tmp_path):
@@ -155,12 +144,9 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
         assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
 
 
-class CompiledFp32IsFastest:
+class CompiledFp32IsFastest(HalfCostMeasurer):
     """torch.compile of the fp32 model runs at half of fp32 eager; a compiled lowered plan at 0.8, an eager
     lowered one at 0.9 (no real timing: the test is about which finalist is kept)."""
-
-    sensitivity = CompiledIsFaster.sensitivity
-    module_latency = CompiledIsFaster.module_latency
 
     def latency(self, models, inputs, repeats):
         from autotune.plan import plan_of
@@ -213,11 +199,9 @@ def test_the_compiled_engine_takes_keyword_inputs_whose_batch_and_length_vary():
         assert torch.allclose(built(**single[1]), model(**single[1]), atol=0.05)
 
 
-class Int8PaysOnlyCompiled:
+class Int8PaysOnlyCompiled(HalfCostMeasurer):
     """Module costs that prune int8 (slower than fp32 run eagerly, as int8 convolutions can be), bf16 cheaper;
     whole-model timings in which only the compiled model runs faster than the eager bf16 plans."""
-
-    sensitivity = CompiledIsFaster.sensitivity
 
     def module_latency(self, fp32, candidates, inputs, calibration):
         return {n: {"int8": 1.5, "bf16": 0.8, "fp32": 1.0} for n in candidates}

@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from conftest import HalfCostMeasurer, export_then_apply, fidelity
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
@@ -63,14 +64,8 @@ def test_fold_bn_raises_on_a_model_it_cannot_trace():
         KNOBS["fold_bn"].apply(Branchy().eval())
 
 
-class FoldedIsFaster:
+class FoldedIsFaster(HalfCostMeasurer):
     """A model without BatchNorm (folded) runs at 0.4 of fp32; lowered ones at 0.7 (no real timing)."""
-
-    def sensitivity(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()}
-
-    def module_latency(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()}
 
     def latency(self, models, inputs, repeats):
         def ms(name, model):
@@ -80,39 +75,24 @@ class FoldedIsFaster:
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
 
 
-def test_a_knob_measured_faster_is_kept_and_export_and_apply_rebuild_it(tmp_path, monkeypatch):
+def test_a_knob_measured_faster_is_kept_and_export_and_apply_rebuild_it(tmp_path):
     model = conv_bn()
-    with torch.no_grad():
-        reference = model(X)
-
-    def eval_fn(net):
-        with torch.no_grad():
-            return 1 - ((net(X) - reference).norm() / reference.norm()).item()
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
                           max_trials=4, storage=f"sqlite:///{tmp_path}/k.db", study_name="knobs")
-    result = autotune(model, config, eval_fn, X, measurer=FoldedIsFaster())
+    result = autotune(model, config, fidelity(model, X), X, measurer=FoldedIsFaster())
     assert result.knobs == ("fold_bn",) and result.speedup == pytest.approx(2.5)
     assert result.study.user_attrs["autotune.best"]["knobs"] == ["fold_bn"] and "fold_bn" in result.summary()
     assert not any(isinstance(m, nn.BatchNorm2d) for m in result.model.modules())
 
-    runner = CliRunner()
-    out = runner.invoke(main, ["export", "knobs", "--storage", f"sqlite:///{tmp_path}/k.db",
-                               "--out", str(tmp_path / "plan.json")])
-    assert out.exit_code == 0, out.output
-    assert json.loads((tmp_path / "plan.json").read_text())["knobs"] == ["fold_bn"]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "knob_model.py").write_text(
-        "import torch\nimport test_knobs\n\n\ndef model():\n    return test_knobs.conv_bn()\n\n\n"
-        "def inputs():\n    return test_knobs.X\n\n\ndef score():\n    return lambda m: 1.0\n")
-    (tmp_path / "k.yaml").write_text(yaml.safe_dump({
-        "model": {"factory": "knob_model:model"}, "evaluation": {"eval_fn": "knob_model:score"},
-        "example_inputs": {"factory": "knob_model:inputs"}, "tuning": {"config_set": {"dtype": ["int8", "fp32"]}}}))
-    applied = runner.invoke(main, ["apply", str(tmp_path / "plan.json"), "--config", str(tmp_path / "k.yaml"),
-                                   "--out", str(tmp_path / "m.pt")])
-    assert applied.exit_code == 0 and "with fold_bn" in applied.output, applied.output
-    rebuilt = torch.load(tmp_path / "m.pt", weights_only=False)
+    saved, output = export_then_apply(tmp_path, "knobs", f"sqlite:///{tmp_path}/k.db", "test_knobs:conv_bn",
+                                      "test_knobs:inputs")
+    assert saved["knobs"] == ["fold_bn"] and "with fold_bn" in output
+    rebuilt = torch.load(tmp_path / "applied.pt", weights_only=False)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in rebuilt.modules())
+
+
+def inputs():
+    return X
 
 
 def test_a_plan_file_naming_an_unknown_knob_is_refused(tmp_path):

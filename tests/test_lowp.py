@@ -3,10 +3,12 @@
 edges, the given model untouched; it realises one low dtype and fp32 only."""
 import pytest
 import torch
-from conftest import assert_state_equal, state_snapshot
+from conftest import HalfCostMeasurer, assert_state_equal, export_then_apply, fidelity, state_snapshot
 from torch import nn
 
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.engines import Calibration, LowPrecisionEngine
+from autotune.measure import LatencyStats
 
 X = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
 PLAN = {"0": "bf16", "3": "fp32", "4": "bf16"}
@@ -52,60 +54,30 @@ def test_saved_and_loaded_it_runs_the_same_and_compiled_it_agrees(tmp_path):
         assert torch.allclose(engine.runnable(loaded)(X), built(X), atol=1e-2)
 
 
-class LowpIsFastest:
+class LowpIsFastest(HalfCostMeasurer):
     """Whole-model timings in which a compiled model runs at 0.3 of fp32, an eager lowered one at 0.8."""
 
-    def sensitivity(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 0.0 if d == "fp32" else 1e-3 for d in ds} for n, ds in candidates.items()}
-
-    def module_latency(self, fp32, candidates, inputs, calibration):
-        return {n: {d: 1.0 if d == "fp32" else 0.5 for d in ds} for n, ds in candidates.items()}
-
     def latency(self, models, inputs, repeats):
-        from autotune.measure import LatencyStats
-
         def ms(name, model):
             return 10.0 if name == "fp32" else 3.0 if type(model).__name__ == "OptimizedModule" else 8.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
 
 
-def test_the_tuner_returns_a_lowp_winner_that_export_and_apply_rebuild(tmp_path, monkeypatch):
-    import json
-
-    import yaml
-    from click.testing import CliRunner
-
-    from autotune import MixedPrecisionConfig, TuningConfig, autotune
-    from autotune.cli import main
-
+def test_the_tuner_returns_a_lowp_winner_that_export_and_apply_rebuild(tmp_path):
     fp32 = model()
-    with torch.no_grad():
-        reference = fp32(X)
-
-    def eval_fn(net):
-        with torch.no_grad():
-            return 1 - ((net(X) - reference).norm() / reference.norm()).item()
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
                           max_trials=3, engines=["eager", "lowp"], storage=f"sqlite:///{tmp_path}/l.db",
                           study_name="lowp", compile_cache=str(tmp_path / "cache"))
-    result = autotune(fp32, config, eval_fn, X, measurer=LowpIsFastest())
+    result = autotune(fp32, config, fidelity(fp32, X), X, measurer=LowpIsFastest())
     assert result.engine == "lowp" and result.speedup == pytest.approx(10 / 3)
     assert set(result.plan.values()) <= {"bf16", "fp32"} and "bf16" in result.plan.values()
 
-    runner = CliRunner()
-    exported = runner.invoke(main, ["export", "lowp", "--storage", f"sqlite:///{tmp_path}/l.db",
-                                    "--out", str(tmp_path / "plan.json")])
-    assert exported.exit_code == 0 and json.loads((tmp_path / "plan.json").read_text())["engine"] == "lowp"
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "l.yaml").write_text(yaml.safe_dump({
-        "model": {"factory": "test_lowp:model"}, "evaluation": {"eval_fn": "test_lowp:model"},
-        "example_inputs": {"factory": "test_lowp:inputs"}, "tuning": {"config_set": {"dtype": ["bf16", "fp32"]}}}))
-    applied = runner.invoke(main, ["apply", str(tmp_path / "plan.json"), "--config", str(tmp_path / "l.yaml"),
-                                   "--out", str(tmp_path / "m.pt")])
-    assert applied.exit_code == 0 and "lowp engine" in applied.output, applied.output
-    rebuilt = torch.load(tmp_path / "m.pt", weights_only=False)
+    saved, output = export_then_apply(tmp_path, "lowp", f"sqlite:///{tmp_path}/l.db", "test_lowp:model",
+                                      "test_lowp:inputs")
+    assert saved["engine"] == "lowp" and "lowp engine" in output
+    rebuilt = torch.load(tmp_path / "applied.pt", weights_only=False)
     with torch.no_grad():
-        out = rebuilt(X)
+        out, reference = rebuilt(X), fp32(X)
     assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
     lowered = [name for name, dtype in result.plan.items() if dtype == "bf16"]
     assert all(rebuilt.get_submodule(name).weight.dtype == torch.bfloat16 for name in lowered)
