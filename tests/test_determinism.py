@@ -71,5 +71,7 @@ def test_same_stored_signals_same_trial_plans_with_the_real_device_measurer(stor
     for key in ("autotune.sensitivity", "autotune.module_latency_ms"):
         second_study.set_user_attr(key, measured[key])
     second = run("replayed")
-    assert {source for source, _ in first} == {"guided", "exhaustive"}
+    # Which phases run depends on the signals this host measured (a dtype timed slower than fp32 is pruned, and a
+    # small enough space is covered by the guided phase alone); whatever ran must replay identically.
+    assert "guided" in {source for source, _ in first} and len(first) > 1
     assert first == second
