@@ -9,7 +9,7 @@ from autotune.cli.base import CliError, main
 from autotune.cli.study_commands import apply_saved_plan
 from autotune.config import LatencyInput, load_config
 from autotune.engines import get_engine
-from autotune.measure.measurer import DeviceMeasurer, latency_by_shape
+from autotune.measure.measurer import DeviceMeasurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import latency_shapes, weighted_ratio
 from autotune.plan import summarize
 
@@ -57,7 +57,7 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
                                              for name, stats in by_model.items()])
     compare.trim_significant_figures()
     click.echo(str(compare).strip())
-    ratios = {shape: t[plan_name].median_ms / t["fp32"].median_ms for shape, t in timing.items()}
+    ratios = ratios_to_fp32(timing, plan_name)
     for shape in at:
         t = timing[shape.name]
         click.echo(f"{shape.name} (weight {shape.weight:g}): {1 / ratios[shape.name]:.2f}x fp32  "

@@ -27,7 +27,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.config.tuning import TuningConfig
 from autotune.errors import EvalFunctionError
-from autotune.measure.measurer import Measurer, latency_by_shape
+from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
@@ -204,7 +204,7 @@ class TrialRunner:
         is returned."""
         by_shape = latency_by_shape(self.measurer, {"fp32": self.fp32, "plan": tuned}, self.shapes,
                                     self.config.repeats)
-        ratios = {shape: timing["plan"].median_ms / timing["fp32"].median_ms for shape, timing in by_shape.items()}
+        ratios = ratios_to_fp32(by_shape, "plan")
         timing = by_shape[self.shapes[0].name]
         for name, value in (("latency_ms", timing["plan"].median_ms), ("latency_spread_ms", timing["plan"].spread_ms),
                             ("fp32_latency_ms", timing["fp32"].median_ms),

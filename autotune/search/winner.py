@@ -13,7 +13,7 @@ from autotune.capture import call
 from autotune.clone import clone
 from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, get_engine, with_knobs
 from autotune.measure.latency import LatencyStats
-from autotune.measure.measurer import latency_by_shape
+from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
 from autotune.search.trials import TrialRunner, score_of
@@ -141,8 +141,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
     candidates = finalists(runner)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
     by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, 2 * config.repeats)
-    ratio = {name: weighted_ratio({s: t[name].median_ms / t["fp32"].median_ms for s, t in by_shape.items()},
-                                  runner.shapes) for name in ["fp32", *models]}
+    ratio = {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes) for name in ["fp32", *models]}
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
             break
