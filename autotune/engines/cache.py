@@ -13,6 +13,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.engines.base import Calibration, Engine
+from autotune.engines.knobs import with_knobs
 from autotune.plan import Plan, plan_id
 
 log = logging.getLogger("autotune")
@@ -29,17 +30,17 @@ class CompileCache:
 
     def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
               inputs: CallInputs, knobs: tuple[str, ...] = ()) -> nn.Module:
-        """`plan` built in `engine` on `fp32` (set with `knobs`): read back if this study built it before, else
-        built and kept."""
+        """`plan` built in `engine` on `fp32` set with `knobs`: read back if this study built it before, else
+        built and kept (the knobs are applied only when it is built)."""
         if self.folder is None or engine.name == "eager":    # eager builds cost less than reading them back
-            return engine.build(fp32, plan, calibration)
+            return engine.build(with_knobs(fp32, knobs), plan, calibration)
         path = self.folder / ("-".join([engine.name, plan_id(plan), *knobs]) + ".built")
         if path.is_file():
             try:
                 return engine.load(str(path))
             except Exception as exc:  # a file of another torch version, or cut short: build it again
                 log.warning("compile cache: cannot read %s (%s: %s); building again", path, type(exc).__name__, exc)
-        built = engine.build(fp32, plan, calibration)
+        built = engine.build(with_knobs(fp32, knobs), plan, calibration)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
         engine.save(built, inputs, str(partial))

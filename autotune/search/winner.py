@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, get_engine, with_knobs
+from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
@@ -124,7 +124,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         EngineUnavailable: the first calls failed (e.g. the compiler could not handle the model).
     """
     started = time.perf_counter()
-    built = cache.build(engine, with_knobs(runner.fp32, knobs), plan, calibration, runner.inputs, knobs)
+    built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
     runnable = engine.runnable(built)
     try:
         with torch.inference_mode():
