@@ -23,7 +23,7 @@ import yaml
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
-from autotune.config.tuning import StrictModel, TuningConfig
+from autotune.config.tuning import StrictModel, TuningConfig, split_import_path
 from autotune.dataset_eval import dataset_eval
 from autotune.errors import ConfigError
 
@@ -59,9 +59,7 @@ def expand_env_everywhere(data: Any, path: str = "") -> Any:
 
 def resolve(import_path: str) -> Any:
     """The object at "package.module:attribute" (the attribute may be dotted)."""
-    module_name, _, attribute = import_path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{import_path!r} is not an import path of the form 'package.module:name'")
+    module_name, attribute = split_import_path(import_path)
     try:
         target = importlib.import_module(module_name)
     except Exception as exc:   # the user's module may raise anything as it is imported

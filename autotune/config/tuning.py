@@ -96,6 +96,18 @@ class MixedPrecisionConfig(ConfigModel):
         return list(dict.fromkeys(value))
 
 
+def split_import_path(import_path: str) -> tuple[str, str]:
+    """(module, attribute) of "package.module:attribute".
+
+    Raises:
+        ValueError: it is not of that form.
+    """
+    module_name, _, attribute = import_path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{import_path!r} is not an import path of the form 'package.module:name'")
+    return module_name, attribute
+
+
 class LatencyInput(ConfigModel):
     """An input shape the tuned model will serve, and how much its speed-up counts in the objective.
 
@@ -113,8 +125,8 @@ class LatencyInput(ConfigModel):
     @field_validator("factory")
     @classmethod
     def _import_path(cls, value: Any) -> Any:
-        if isinstance(value, str) and not all(value.partition(":")[::2]):
-            raise ValueError(f"{value!r} is not an import path of the form 'package.module:name'")
+        if isinstance(value, str):
+            split_import_path(value)    # imported only when the shape is built, where its errors name the field
         return value
 
     @model_validator(mode="after")
