@@ -58,10 +58,8 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     if len(study.directions) != len(directions):
         raise StudyMismatchError(f"study {study_name!r} in {shown(config.storage)} was made for another objective "
                                  f"({len(study.directions)} objectives); use another study_name")
-    stored = get_attr(study, "candidates")
-    if stored is None:
-        set_attr(study, "candidates", candidates)
-    elif stored != candidates:
+    stored = _recorded(study, "candidates", candidates)
+    if stored != candidates:
         raise StudyMismatchError(
             f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
             f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
@@ -75,12 +73,19 @@ def check_shapes(study: optuna.Study, config: TuningConfig, weights: dict[str, f
     Raises:
         StudyMismatchError: the study was made for other shapes or weights.
     """
-    stored = get_attr(study, "latency_shapes")
-    if stored is None:
-        set_attr(study, "latency_shapes", weights)
-    elif stored != weights:
+    stored = _recorded(study, "latency_shapes", weights)
+    if stored != weights:
         raise StudyMismatchError(f"study {study.study_name!r} in {shown(config.storage)} measures latency at "
                                  f"{stored}, not {weights}; use another study_name")
+
+
+def _recorded(study: optuna.Study, key: str, value: Any) -> Any:
+    """What the study records under `key`: `value`, recorded now if the study had nothing there yet."""
+    stored = get_attr(study, key)
+    if stored is None:
+        set_attr(study, key, value)
+        return value
+    return stored
 
 
 def get_attr(study: optuna.Study, key: str) -> Any:
