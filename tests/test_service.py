@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 import optuna
+import pytest
 import resume_workload
 import yaml
 from test_resume_kill import cli_env
@@ -38,11 +39,13 @@ def _come_up(url: str, barrier) -> str:
         return traceback.format_exc()
 
 
-def test_workers_started_at_once_on_an_empty_database_all_come_up(postgres):
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_workers_started_at_once_on_an_empty_database_all_come_up(database, request, tmp_path):
+    url = f"sqlite:///{tmp_path}/new.db" if database == "sqlite" else request.getfixturevalue("postgres")
     context = multiprocessing.get_context("spawn")
     barrier = context.Manager().Barrier(WORKERS)
     with context.Pool(WORKERS) as pool:
-        answers = pool.starmap(_come_up, [(postgres, barrier)] * WORKERS)
+        answers = pool.starmap(_come_up, [(url, barrier)] * WORKERS)
     assert answers == ["ok"] * WORKERS, "\n".join(a for a in answers if a != "ok")
 
 

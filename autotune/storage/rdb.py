@@ -79,9 +79,12 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
                     grace_period=grace_period,
                     heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
                 break
-            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-                # Several processes created the schema of an empty server database at once; one of them won.
-                if attempt == SCHEMA_ATTEMPTS - 1:
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError
+                    ) as exc:
+                # Several processes created the schema of an empty database at once; one of them won (SQLite
+                # says so with "table ... already exists", an OperationalError like any other of its failures).
+                raced = not isinstance(exc, sqlalchemy.exc.OperationalError) or "already exists" in str(exc.orig)
+                if not raced or attempt == SCHEMA_ATTEMPTS - 1:
                     raise
                 time.sleep(0.2 * (attempt + 1))
     if url.startswith("sqlite"):
