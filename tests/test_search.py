@@ -1,6 +1,7 @@
 import math
 
-from autotune.search.guided import guided_search
+from autotune.plan import plan_key
+from autotune.search.guided import GuidedSearch, Status
 from autotune.search.space import SearchSpace
 
 
@@ -73,15 +74,20 @@ def test_qkv_siblings_are_found_per_attention_block():
         ["l0.attn.query", "l0.attn.key", "l0.attn.value"], ["l1.attn.q_proj", "l1.attn.k_proj", "l1.attn.v_proj"]]
 
 
-def run_guided(s, passes):
-    search, evaluated = guided_search(s), []
-    try:
-        plan = next(search)
-        while True:
-            evaluated.append(plan)
-            plan = search.send(passes(plan))
-    except StopIteration:
-        return evaluated
+def run_guided(s, passes, workers=1):
+    """The guided search as `workers` workers run it, each plan taking one unit of time: the plans in the order
+    they were taken, and the time the last one ended."""
+    search, taken, status, running, clock = GuidedSearch(s), [], {}, [], 0
+    while True:
+        while len(running) < workers and (plan := search.next_plan(
+                lambda p: status.get(plan_key(p), Status.NEW))) is not None:
+            taken.append(plan)
+            status[plan_key(plan)] = Status.RUNNING
+            running.append((clock + 1, plan))
+        if not running:
+            return taken, clock
+        clock, plan = running.pop(0)      # the oldest ends first
+        status[plan_key(plan)] = Status.PASSED if passes(plan) else Status.FAILED
 
 
 def test_bisection_finds_the_passing_boundary_in_logarithmic_evaluations():
@@ -89,15 +95,32 @@ def test_bisection_finds_the_passing_boundary_in_logarithmic_evaluations():
     s = space(n, sensitive={f"m{i}" for i in range(0, n, 10)})
     # Passes once every sensitive module has left int8.
     passes = lambda plan: all(plan[f"m{i}"] != "int8" for i in range(0, n, 10))
-    evaluated = run_guided(s, passes)
+    evaluated, _ = run_guided(s, passes)
     assert passes(evaluated[-1]) or any(passes(p) for p in evaluated)
     best = min((p for p in evaluated if passes(p)), key=lambda p: sum(v != "int8" for v in p.values()))
     assert sum(v == "int8" for v in best.values()) == n - n // 10      # only the sensitive ones moved
     assert len(evaluated) <= 2 * math.log2(n) + 8
 
 
+def test_workers_share_one_bisection_each_taking_a_plan_no_one_has_and_reach_the_boundary_sooner():
+    n = 200
+    s = space(n, sensitive={f"m{i}" for i in range(0, n, 10)})
+    passes = lambda plan: all(plan[f"m{i}"] != "int8" for i in range(0, n, 10))
+
+    def fastest_passing_ms(plans):
+        return min(s.predicted_ms(p) for p in plans if passes(p))
+
+    alone, alone_time = run_guided(s, passes)
+    for workers in (2, 4):
+        shared, shared_time = run_guided(s, passes, workers)
+        assert len({plan_key(p) for p in shared}) == len(shared)      # no plan taken twice
+        assert fastest_passing_ms(shared) <= fastest_passing_ms(alone)
+        assert shared_time <= alone_time * {2: 0.85, 4: 0.5}[workers], (workers, shared_time, alone_time)
+        assert len(shared) <= 2 * len(alone)         # speculation on outcomes still to come costs, boundedly
+
+
 def test_guided_search_stops_at_once_when_the_fastest_plan_passes():
-    assert len(run_guided(space(50), lambda plan: True)) == 1
+    assert len(run_guided(space(50), lambda plan: True)[0]) == 1
 
 
 def test_a_uniform_plan_predicted_no_slower_is_tried_even_when_the_fastest_passes():
@@ -106,12 +129,11 @@ def test_a_uniform_plan_predicted_no_slower_is_tried_even_when_the_fastest_passe
     latency = {"m0": {"fp32": 1.0, "int8": 0.5}, "m1": {"fp32": 1.0, "int8": 0.5}, "m2": {"fp32": 1.0, "int8": 1.0}}
     sensitivity = {name: {"fp32": 0.0, "int8": 0.01} for name in candidates}
     s = SearchSpace.build(candidates, sensitivity, latency)
-    tried = run_guided(s, lambda plan: True)
+    tried, _ = run_guided(s, lambda plan: True)
     assert tried == [{"m0": "int8", "m1": "int8", "m2": "fp32"}, {"m0": "int8", "m1": "int8", "m2": "int8"}]
 
 
 def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
-    from autotune.plan import plan_key
     from autotune.search.guided import exhaustive_order
     s = space(3)
     plans = exhaustive_order(s)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from autotune.config.tuning import TuningConfig
 from autotune.plan import plan_key
-from autotune.search.guided import exhaustive_order, guided_search
-from autotune.search.trials import TrialRunner
+from autotune.search.guided import GuidedSearch, exhaustive_order
+from autotune.search.trials import TrialRunner, fail_stale_trials
 
 EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
 
@@ -74,14 +74,19 @@ def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
 
 
 def run_guided(runner: TrialRunner, budget: Budget) -> None:
-    search = guided_search(runner.space)
-    plan = next(search, None)
-    while plan is not None and budget.left(runner):
-        outcome = runner.run_plan(plan, "guided")
-        try:
-            plan = search.send(outcome is not None and outcome.passed)
-        except StopIteration:
+    """The guided plans, shared by every worker of the study: each takes the next plan no one has taken."""
+    search = GuidedSearch(runner.space)
+    while budget.left(runner):
+        with runner.turn("guided"):     # one worker at a time chooses and queues, so no two take one plan
+            fail_stale_trials(runner.study, runner.config.grace_period)   # a dead worker's plan is queued again
+            runner.refresh()
+            plan = search.next_plan(runner.status_of)
+            if plan is not None:
+                runner.queue(plan, "guided")
+        if plan is None:
             return
+        if runner.refresh().waiting:    # else another worker's search phase took it: it runs there
+            runner.run_once()           # the oldest queued trial: this one, or one queued before it
 
 
 def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> str:

@@ -16,6 +16,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,10 @@ from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
+from autotune.search.guided import Status
 from autotune.search.space import SearchSpace
 from autotune.storage import study as studies
-from autotune.storage.claims import PlanClaims
+from autotune.storage.claims import PlanClaims, lease
 from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
@@ -41,6 +43,7 @@ EvalFn = Callable[[nn.Module], Any]
 # Optuna's callback interface: called with (study, finished trial) after every trial this process runs.
 TrialCallback = Callable[[optuna.Study, FrozenTrial], None]
 CLAIM_POLL_S = 0.5
+TURN_POLL_S = 0.05    # a turn is held for one read of the study and one write
 
 
 def score_of(value: Any) -> float:
@@ -242,7 +245,7 @@ class TrialRunner:
             if key in self.outcomes or key in self.failed:
                 return self.outcomes.get(key)
             if not queued:
-                self.study.enqueue_trial(unit_plan, user_attrs={"source": source})
+                self.queue(unit_plan, source)
                 queued = True
                 continue   # read again: another worker may take the queued trial before we do
             if view.waiting:
@@ -252,6 +255,25 @@ class TrialRunner:
             time.sleep(CLAIM_POLL_S)
             fail_stale_trials(self.study, self.config.grace_period)
             queued = self.held_elsewhere(key)
+
+    def queue(self, unit_plan: Plan, source: str) -> None:
+        """Queues `unit_plan` as a trial; until it ends, every worker's `status_of` sees it running."""
+        key = plan_key(self.space.expand(unit_plan))
+        self.study.enqueue_trial(unit_plan, user_attrs={"source": source, studies.QUEUED_KEY_ATTR: key})
+
+    def status_of(self, unit_plan: Plan) -> Status:
+        """What the study knows of `unit_plan`, as of this runner's last `refresh`."""
+        key = plan_key(self.space.expand(unit_plan))
+        if key in self.outcomes:
+            return Status.PASSED if self.outcomes[key].passed else Status.FAILED
+        if key in self.failed:
+            return Status.FAILED
+        return Status.RUNNING if key in self.taken else Status.NEW
+
+    def turn(self, name: str) -> AbstractContextManager[None]:
+        """Holds the study's lease `name` (one worker at a time) for a short step such as choosing a plan."""
+        return lease(self.claims.storage, self.study.study_name, name, ttl_s=self.config.grace_period,
+                     poll_s=TURN_POLL_S)
 
     def held_elsewhere(self, key: str) -> bool:
         """Whether a running trial has claimed plan `key`, asked of the claims, not of the study's trials."""
@@ -272,6 +294,7 @@ class TrialRunner:
                 self.outcomes[key] = Outcome(trial.values[0], trial.user_attrs["accuracy_loss"],
                                              self.config.tolerable_loss)
         self.failed |= view.failed
+        self.taken = view.taken
         self.evaluated = view.evaluated
         self.stale = view.stale
         return view

@@ -25,6 +25,7 @@ from autotune.storage.rdb import shown
 
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
+QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
@@ -130,6 +131,7 @@ class TrialsView:
     waiting: int                      # queued trials
     evaluated: int                    # trials whose eval_fn call ended
     stale: int = 0                    # see stale_trials
+    taken: frozenset[str] = frozenset()   # plans of queued and running trials: their outcomes are coming
 
 
 def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> TrialsView:
@@ -137,16 +139,18 @@ def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> 
     failed: set[str] = set()
     done: list[FrozenTrial] = []
     waiting = 0
+    taken: set[str] = set()
     for trial in study.get_trials(deepcopy=False):
-        if trial.state == TrialState.WAITING:
-            waiting += 1
+        if trial.state in (TrialState.WAITING, TrialState.RUNNING):
+            waiting += trial.state == TrialState.WAITING
+            taken.add(trial.user_attrs.get(QUEUED_KEY_ATTR) or trial.user_attrs.get(PLAN_KEY_ATTR))
         elif _evaluated(trial):
             done.append(trial)
             if trial.state == TrialState.COMPLETE:
                 finished.setdefault(trial_plan_key(trial), trial)
             else:
                 failed.add(trial_plan_key(trial))
-    return TrialsView(finished, failed, waiting, len(done), stale_trials(done, since))
+    return TrialsView(finished, failed, waiting, len(done), stale_trials(done, since), frozenset(taken - {None}))
 
 
 def stale_trials(evaluated: list[FrozenTrial], since: datetime.datetime | None) -> int:
