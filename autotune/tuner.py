@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from autotune.discovery import module_groups, search_candidates
 from autotune.errors import EvalFunctionError
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
-from autotune.measure.shapes import latency_shapes
+from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
@@ -127,26 +128,53 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 
     with lease(storage, name, "setup", ttl_s=config.grace_period):
-        baseline = studies.get_attr(study, "baseline_accuracy")
-        eval_calls = 0
-        if baseline is None or example_inputs is None:
-            eval_calls += 1
-            baseline, batches = _baseline(fp32, eval_fn, baseline)
-            studies.set_attr(study, "baseline_accuracy", baseline)
-        if example_inputs is not None:
-            batches = example_or_batches(fp32, eval_fn, example_inputs, device)
-        inputs = batches[0]
-        calibration = record_module_inputs(fp32, list(candidates), inputs)
-        shapes = latency_shapes(config, inputs, device)
-        studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
-        sensitivity, latency = cached_signals(study, measurer, fp32, candidates, inputs, calibration, shapes)
-    space = SearchSpace.build(candidates, sensitivity, latency, module_groups(candidates, config))
-    log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning", baseline,
-             len(candidates), len(space.choices), space.size)
-    runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, inputs, calibration, baseline,
-                         config, measurer, callbacks, batches, shapes)
-    runner.eval_calls = eval_calls
+        # The first worker evaluates the baseline and measures the signals; the others wait for it only, then
+        # set up from what it stored side by side.
+        setup = None if _measured(study) else _set_up(study, fp32, eval_fn, example_inputs, candidates, config,
+                                                      measurer)
+    setup = setup or _set_up(study, fp32, eval_fn, example_inputs, candidates, config, measurer)
+    space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
+    log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning",
+             setup.baseline, len(candidates), len(space.choices), space.size)
+    runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
+                         setup.baseline, config, measurer, callbacks, setup.batches, setup.shapes)
+    runner.eval_calls = setup.eval_calls
     return runner
+
+
+@dataclass
+class _Setup:
+    baseline: float
+    eval_calls: int
+    batches: list[CallInputs]           # the first is where calibration and signals are taken
+    calibration: dict[str, CallInputs]
+    shapes: list[Shape]
+    sensitivity: dict[str, dict[str, float]]
+    latency: dict[str, dict[str, float]]
+
+
+def _measured(study) -> bool:
+    """Whether the study has its baseline and signals (a worker before this one measured them)."""
+    return all(studies.get_attr(study, name) is not None
+               for name in ("baseline_accuracy", "sensitivity", "module_latency_ms"))
+
+
+def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candidates: dict[str, list[str]],
+            config: TuningConfig, measurer: Measurer) -> _Setup:
+    """The baseline score, the inputs, and the per-module signals: measured and stored if the study lacks them."""
+    baseline = studies.get_attr(study, "baseline_accuracy")
+    eval_calls = 0
+    if baseline is None or example_inputs is None:
+        eval_calls += 1
+        baseline, batches = _baseline(fp32, eval_fn, baseline)
+        studies.set_attr(study, "baseline_accuracy", baseline)
+    if example_inputs is not None:
+        batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
+    calibration = record_module_inputs(fp32, list(candidates), batches[0])
+    shapes = latency_shapes(config, batches[0], torch.device(config.device))
+    studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
+    sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
+    return _Setup(baseline, eval_calls, batches, calibration, shapes, sensitivity, latency)
 
 
 @_fewer_collections()
