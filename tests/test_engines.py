@@ -223,6 +223,20 @@ def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_p
     assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]
 
 
+def test_a_dtype_whose_modules_ran_several_times_slower_eagerly_gets_no_compiled_uniform_finalist(caplog):
+    from autotune.search.winner import uniform_plans_worth_compiling
+
+    candidates = {"a": ["int8", "fp16", "fp32"], "b": ["int8", "fp16", "fp32"], "c": ["fp32"]}
+    # int8: a slower alone, b faster, 1.05x in all (inductor may fuse it ahead); fp16 emulated, 4.5x slower.
+    latency = {"a": {"int8": 1.5, "fp16": 4.0, "fp32": 1.0}, "b": {"int8": 0.6, "fp16": 5.0, "fp32": 1.0},
+               "c": {"fp32": 1.0}}
+    with caplog.at_level("INFO", logger="autotune"):
+        assert uniform_plans_worth_compiling(candidates, latency) == {"int8": {"a": "int8", "b": "int8", "c": "fp32"}}
+    assert "uniform fp16 is not compiled as a finalist: its modules took 4.5x their fp32 time" in caplog.text
+    latency["a"]["fp16"], latency["b"]["fp16"] = 1.0, 2.9    # 1.95x in all: below the line, so compiled and timed
+    assert set(uniform_plans_worth_compiling(candidates, latency)) == {"fp16", "int8"}
+
+
 def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, monkeypatch):
     from autotune.engines import CompileCache
 

@@ -21,6 +21,7 @@ from autotune.storage import study as studies
 from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
+HOPELESS_RATIO = 2.0
 
 
 @dataclass
@@ -60,11 +61,31 @@ def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
     if engine.name != "eager":
         known = {plan_key(plan) for plan in plans.values()}
-        candidates = studies.get_attr(runner.study, "candidates")
-        for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
-            plan = uniform_plan(candidates, dtype)
+        extra = uniform_plans_worth_compiling(studies.get_attr(runner.study, "candidates"),
+                                              studies.get_attr(runner.study, "module_latency_ms"))
+        for dtype, plan in extra.items():
             if plan_key(plan) not in known and engine.unsupported(plan) is None:
                 plans[f"uniform {dtype}"] = plan
+    return plans
+
+
+def uniform_plans_worth_compiling(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
+                                  ) -> dict[str, Plan]:
+    """{dtype: its uniform plan} for each lowered dtype whose modules, run eagerly, took less than
+    HOPELESS_RATIO times their fp32 time in all: compiling fuses the casts and quantisation around a dtype's
+    kernels, never makes the kernels themselves several times faster (bf16 and fp16 on a CPU that emulates
+    them measure 4-25x slower: such a plan would cost a compile and seconds of timing, to lose)."""
+    plans = {}
+    for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
+        plan = uniform_plan(candidates, dtype)
+        lowered = [name for name, chosen in plan.items() if chosen == dtype]
+        fp32_ms = sum(latency[n]["fp32"] for n in lowered)
+        ratio = sum(latency[n][dtype] for n in lowered) / fp32_ms if fp32_ms > 0 else 1.0
+        if ratio < HOPELESS_RATIO:
+            plans[dtype] = plan
+        else:
+            log.info("uniform %s is not compiled as a finalist: its modules took %.1fx their fp32 time eagerly",
+                     dtype, ratio)
     return plans
 
 
