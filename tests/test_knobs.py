@@ -277,3 +277,14 @@ def test_a_knob_is_tried_only_in_the_engines_it_has_an_effect_in(tmp_path, monke
     tried = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "+" in name]
     assert tried and all(name.endswith("+autocast") for name in tried)    # the eager engine compiles nothing
 
+
+def test_applying_a_plan_with_a_knob_this_model_cannot_take_is_refused_with_the_reason(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"plan": {"1": "bf16", "3": "fp32"}, "engine": "inductor", "knobs": ["cuda_graphs"]}))
+    (tmp_path / "k.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": "test_knobs:tower"}, "evaluation": {"eval_fn": "test_knobs:tower"},
+        "example_inputs": {"factory": "test_knobs:tower_inputs"}}))
+    result = CliRunner().invoke(main, ["apply", str(plan), "--config", str(tmp_path / "k.yaml"),
+                                       "--out", str(tmp_path / "m.pt")])
+    assert result.exit_code == 2 and "knob cuda_graphs does not apply to this model: CUDA graphs need a CUDA " \
+        "device; this model is on cpu" in result.output and not (tmp_path / "m.pt").exists()
