@@ -51,16 +51,23 @@ docker:                ## build the image, validate docker/compose.yaml, run the
 
 # The CUDA tests, on a GPU machine and with its own CUDA build of torch (never .venv, whose pinned torch is CPU-only):
 # `make test-gpu` in the checkout there. Wheels of the other dependencies carried in .whl/ are installed into
-# GPU_SITE first; the CUDA tests then fail rather than skip if torch sees no GPU.
+# GPU_SITE first; the CUDA tests then fail rather than skip if torch sees no GPU. `make bench-gpu` runs the GPU
+# benchmark the same way (benchmarks/gpu.py, BENCH_GPU_ARGS passed on; writes benchmarks/results-gpu.md).
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/autotune-gpu-site
 CUDA_TESTS ?= tests/test_cuda.py tests/test_backends.py::test_half_backends_on_cuda
+BENCH_GPU_ARGS ?=
+GPU_ENV = PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
-.PHONY: test-gpu
-test-gpu:              ## the CUDA tests with the GPU machine's own torch (GPU_PY); other wheels from .whl/
+.PHONY: gpu-site test-gpu bench-gpu
+gpu-site:              ## checks that GPU_PY's torch sees CUDA; installs the wheels carried in .whl/ into GPU_SITE
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
-	  f'test-gpu: torch {torch.__version__} in {sys.executable} sees no CUDA device')"
+	  f'$(MAKECMDGOALS): torch {torch.__version__} in {sys.executable} sees no CUDA device')"
 	if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 	  --target $(GPU_SITE) .whl/*.whl; fi
-	AUTOTUNE_REQUIRE_CUDA=1 PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-	  HF_HUB_OFFLINE=1 $(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(CUDA_TESTS)
+
+test-gpu: gpu-site     ## the CUDA tests with the GPU machine's own torch (GPU_PY); other wheels from .whl/
+	AUTOTUNE_REQUIRE_CUDA=1 $(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(CUDA_TESTS)
+
+bench-gpu: gpu-site    ## the GPU benchmark with the GPU machine's own torch: fp32, TF32, AMP, .half(), compile, CUDA graphs, autotune
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu.py $(BENCH_GPU_ARGS)

@@ -27,9 +27,7 @@ import argparse
 import copy
 import sys
 import tempfile
-import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,38 +36,16 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from candidates import Candidate, relative_loss, tuned, warmed  # noqa: E402
 from harness import TOLERANCE, real_workload  # noqa: E402
 
-from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune  # noqa: E402
-from autotune.capture import as_call_inputs, call, run_capturing  # noqa: E402
+from autotune import MixedPrecisionConfig, TuningConfig  # noqa: E402
+from autotune.capture import as_call_inputs, run_capturing  # noqa: E402
 from autotune.clone import clone  # noqa: E402
 from autotune.discovery import search_candidates  # noqa: E402
 from autotune.engines import Calibration, CompiledEngine  # noqa: E402
 from autotune.measure.latency import measure_latency  # noqa: E402
 from autotune.measure.shapes import batch_size, resize_batch  # noqa: E402
-from autotune.plan import summarize  # noqa: E402
-
-
-@dataclass
-class Candidate:
-    name: str
-    timed: nn.Module | None      # what serves (None: the peer could not run, `note` says why)
-    scored: nn.Module | None     # what eval_fn scores
-    setup_s: float
-    note: str = ""
-
-
-def _warmed(name: str, build, scored_from, shapes: dict, note: str = "") -> Candidate:
-    """Builds a candidate, then calls it once at each shape (compilation happens there): all of it is setup."""
-    started = time.perf_counter()
-    try:
-        timed = build()
-        with torch.inference_mode():
-            for inputs in shapes.values():
-                call(timed, inputs)
-    except Exception as exc:  # noqa: BLE001 - a peer that fails is a result
-        return Candidate(name, None, None, time.perf_counter() - started, f"{type(exc).__name__}: {exc}"[:200])
-    return Candidate(name, timed, scored_from(timed), time.perf_counter() - started, note)
 
 
 def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_trials: int) -> list[Candidate]:
@@ -83,10 +59,10 @@ def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_tr
         return engine.runnable(pt2e_built[-1])
 
     found = [Candidate("fp32 eager", fp32, fp32, 0.0),
-             _warmed("torch.compile fp32", lambda: torch.compile(copy.deepcopy(fp32)), lambda m: m, shapes),
-             _warmed("quantize_dynamic int8", lambda: torch.ao.quantization.quantize_dynamic(
+             warmed("torch.compile fp32", lambda: torch.compile(copy.deepcopy(fp32)), lambda m: m, shapes),
+             warmed("quantize_dynamic int8", lambda: torch.ao.quantization.quantize_dynamic(
                  copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8), lambda m: m, shapes),
-             _warmed("pt2e int8 + inductor (uniform)", pt2e, lambda _m: pt2e_built[-1], shapes)]
+             warmed("pt2e int8 + inductor (uniform)", pt2e, lambda _m: pt2e_built[-1], shapes)]
     return found + [_inc(fp32, eval_fn, example, max_trials, shapes)]
 
 
@@ -98,25 +74,9 @@ def _inc(fp32, eval_fn, example, max_trials: int, shapes: dict) -> Candidate:
         return Candidate("INC int8", None, None, 0.0, "neural_compressor is not importable (run under .venv-bench)")
     if out["model"] is None:
         return Candidate("INC int8", None, None, out["wall_s"], str(out["error"])[:200])
-    warmed = _warmed("INC int8", lambda: out["model"], lambda m: m, shapes, note=f"{out['config']}")
-    warmed.setup_s += out["wall_s"]
-    return warmed
-
-
-def ours(name: str, fp32: nn.Module, eval_fn, example, dtypes: list[str], max_trials: int, shapes: dict,
-         tuned_for: dict, folder: str) -> Candidate:
-    """autotune with every engine, its latency measured at the shapes of `tuned_for` (equal weights)."""
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
-                          max_trials=max_trials, engines=["eager", "compiled", "inductor", "lowp"],
-                          storage=f"sqlite:///{folder}/p.db", study_name=name, compile_cache=f"{folder}/cache",
-                          latency_inputs=[LatencyInput(batch=batch_size(inputs), weight=1.0)
-                                          for inputs in tuned_for.values()])
-    started = time.perf_counter()
-    result = autotune(fp32, config, eval_fn, example)
-    tuned = _warmed(name, lambda: result.model, lambda m: m, shapes,
-                    note=f"{summarize(result.plan)}, {result.engine} engine, {result.eval_calls} eval_fn calls")
-    tuned.setup_s += time.perf_counter() - started
-    return tuned
+    found = warmed("INC int8", lambda: out["model"], lambda m: m, shapes, note=f"{out['config']}")
+    found.setup_s += out["wall_s"]
+    return found
 
 
 def run(workload: str, quick: bool, max_trials: int | None) -> str:
@@ -130,9 +90,9 @@ def run(workload: str, quick: bool, max_trials: int | None) -> str:
         warnings.simplefilter("ignore")
         found = peers(fp32, eval_fn, example, batches, shapes, max_trials)
         eval_shape = list(shapes)[-1]
-        found += [ours(f"autotune ({eval_shape})", fp32, eval_fn, example, dtypes, max_trials, shapes,
-                       {eval_shape: shapes[eval_shape]}, folder),
-                  ours("autotune (both shapes)", fp32, eval_fn, example, dtypes, max_trials, shapes, shapes, folder)]
+        found += [tuned(f"autotune ({eval_shape})", fp32, eval_fn, example, dtypes, max_trials, shapes,
+                        {eval_shape: shapes[eval_shape]}, folder),
+                  tuned("autotune (both shapes)", fp32, eval_fn, example, dtypes, max_trials, shapes, shapes, folder)]
         baseline = float(eval_fn(clone(fp32)))
         scores = {c.name: float(eval_fn(c.scored)) for c in found if c.scored is not None}
         serving = {c.name: c.timed for c in found if c.timed is not None}
@@ -155,13 +115,13 @@ def table(workload, description, found, baseline, scores, timing) -> str:
              + " | both shapes, equal weights | setup s | notes |",
              "|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
     peers_ok = [name for name in timing[shapes[0]] if not name.startswith("autotune")
-                and _loss(baseline, scores[name]) <= TOLERANCE]
+                and relative_loss(baseline, scores[name]) <= TOLERANCE]
     for c in found:
         if c.timed is None:
             lines.append(f"| {c.name} | – | – | " + " | ".join("–" for _ in shapes) + f" | – | {c.setup_s:.1f} | "
                          f"did not run: {c.note} |")
             continue
-        loss = _loss(baseline, scores[c.name])
+        loss = relative_loss(baseline, scores[c.name])
         cells = []
         for s in shapes:
             fp32, t = timing[s]["fp32 eager"], timing[s][c.name]
@@ -174,10 +134,6 @@ def table(workload, description, found, baseline, scores, timing) -> str:
                           f"{max(speedup(n, s) for n in peers_ok):.2f}x" for s in shapes)
               + f"; over both shapes {max(peers_ok, key=both)} {max(both(n) for n in peers_ok):.2f}x."]
     return "\n".join(lines)
-
-
-def _loss(baseline: float, accuracy: float) -> float:
-    return (baseline - accuracy) / abs(baseline)
 
 
 def main() -> None:

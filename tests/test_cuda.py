@@ -72,3 +72,90 @@ def test_the_low_precision_engine_runs_the_model_in_fp16_with_fp32_islands_on_cu
     with torch.no_grad():
         out = engine.runnable(built)(x)
         assert out.dtype == torch.float32 and torch.allclose(out, model(x), atol=0.05, rtol=0.05)
+
+
+def cuda_mlp(width: int = 1024) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)).eval().cuda()
+
+
+def test_the_gpu_knobs_apply_on_cuda():
+    from autotune.engines import KNOBS
+
+    model = cuda_mlp()
+    assert KNOBS["autocast"].supports(model) is None and KNOBS["cuda_graphs"].supports(model) is None
+    major, minor = torch.cuda.get_device_capability()
+    assert KNOBS["tf32"].supports(model) == (None if major >= 8 else   # an H100 has 9.0
+                                             "TF32 needs a CUDA device with compute capability >= 8.0; "
+                                             f"cuda:0 has {major}.{minor}")
+
+
+def test_tf32_runs_this_model_in_tf32_only_eager_and_compiled_and_leaves_the_process_setting_alone():
+    from autotune.engines import KNOBS, InductorEngine
+
+    model, x = cuda_mlp(), torch.randn(512, 1024, device="cuda")
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    tf32 = KNOBS["tf32"].apply(model)
+    with torch.no_grad():
+        reference = model(x)
+        eager = tf32(x)
+        compiled = InductorEngine().runnable(tf32)(x)
+        again = model(x)
+    for out in (eager, compiled):
+        assert torch.allclose(out, reference, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(eager, reference)                  # TF32 rounding shows on a 1024-wide matmul
+    assert torch.equal(again, reference) and torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_autocast_runs_linears_in_fp16_on_cuda_with_fp32_outputs():
+    from autotune.engines import KNOBS
+
+    model, x = cuda_mlp(), torch.randn(64, 1024, device="cuda")
+    seen = []
+    cast = KNOBS["autocast"].apply(model)
+    cast[0].register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    with torch.no_grad():
+        out, reference = cast(x), model(x)
+    assert seen == [torch.float16] and out.dtype == torch.float32
+    assert torch.allclose(out, reference, rtol=2e-2, atol=2e-2) and not torch.is_autocast_enabled("cuda")
+
+
+def test_cuda_graphs_replay_the_same_outputs_as_eager_at_two_batch_sizes():
+    from autotune.engines import KNOBS, Calibration, InductorEngine, LowPrecisionEngine
+
+    model = cuda_mlp(256)
+    marked = KNOBS["cuda_graphs"].apply(model)
+    fp32 = InductorEngine().runnable(InductorEngine().build(marked, {"0": "fp32", "2": "fp32"}, Calibration([], {})))
+    half = LowPrecisionEngine().runnable(LowPrecisionEngine().build(marked, {"0": "fp16", "2": "fp16"},
+                                                                    Calibration([], {})))
+    for batch in (8, 32, 8):
+        x = torch.randn(batch, 256, device="cuda")
+        with torch.inference_mode():
+            reference = model(x)
+            for _ in range(3):                                # warm-up, recording, replays
+                a, b = fp32(x).clone(), half(x).clone()
+        assert torch.allclose(a, reference, atol=1e-4) and torch.allclose(b, reference, atol=0.05)
+
+
+def test_tuning_on_cuda_tries_every_gpu_knob_in_the_engines_it_has_an_effect_in(storage):
+    model = cuda_mlp(256).cpu()
+    x = torch.randn(8, 256, device="cuda")                    # a launch-bound batch: where CUDA graphs pay
+    with torch.inference_mode():
+        reference = copy.deepcopy(model).cuda()(x)
+
+    def score(net):
+        with torch.inference_mode():
+            return nn.functional.cosine_similarity(net(x), reference, dim=1).mean().item()
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp16", "fp32"]), tolerable_loss=0.01,
+                          max_trials=4, device="cuda", storage=storage, engines=["eager", "inductor"])
+    result = autotune(model, config, score, example_inputs=x)
+    attrs = result.study.user_attrs
+    assert set(attrs["autotune.knobs_not_tried"]) == {"channels_last", "fold_bn"}
+    setup = attrs["autotune.finalist_setup_s"]
+    knobs = {engine: {name.rsplit(" +", 1)[1] for name in setup if " +" in name and ("(inductor)" in name) == inductor}
+             for engine, inductor in [("eager", False), ("inductor", True)]}
+    assert knobs["inductor"] == {"autocast", "tf32", "cuda_graphs"}   # its fp32 plan at least is a finalist
+    eager_finalists = any("(" not in name for name in setup)
+    assert knobs["eager"] == ({"autocast", "tf32"} if eager_finalists else set())   # eager compiles nothing
+    assert config.passes(result.baseline.accuracy, score(result.model)) and result.speedup >= 1.0

@@ -1,6 +1,7 @@
 """Model-level knobs: each says where it applies, leaves the given model alone, keeps the numerics; the tuner
 tries them on the finalists, keeps one only where it is re-timed faster, and export / apply rebuild it."""
 import json
+import typing
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.cli import main
 from autotune.engines import KNOBS
+from autotune.errors import ConfigError
 from autotune.measure import LatencyStats
 
 X = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -102,4 +104,187 @@ def test_a_plan_file_naming_an_unknown_knob_is_refused(tmp_path):
         "model": {"factory": "test_knobs:conv_bn"}, "evaluation": {"eval_fn": "test_knobs:conv_bn"}}))
     result = CliRunner().invoke(main, ["apply", str(plan), "--config", str(tmp_path / "k.yaml"),
                                        "--out", str(tmp_path / "m.pt")])
-    assert result.exit_code == 2 and "knobs must be a list of ['channels_last', 'fold_bn']" in result.output
+    assert result.exit_code == 2 and "knobs must be a list of ['autocast', 'channels_last', 'cuda_graphs', " \
+        "'fold_bn', 'tf32']; got ['turbo']" in result.output
+
+
+def test_the_config_offers_exactly_the_registered_knobs_and_refuses_others():
+    field = TuningConfig.model_fields["knobs"]
+    assert set(typing.get_args(typing.get_args(field.annotation)[0])) == set(KNOBS)
+    assert set(TuningConfig().knobs) == set(KNOBS)      # every knob on by default: each says where it applies
+    with pytest.raises(ConfigError, match="knobs"):
+        TuningConfig(knobs=["cuda_graph"])
+
+
+def linear_dtype(model: nn.Module, x: torch.Tensor, name: str = "1") -> torch.dtype:
+    """The dtype the Linear at `name` outputs when `model` runs on `x` (read by a forward hook)."""
+    seen = []
+    handle = model.get_submodule(name).register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def tower() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+
+
+V = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+
+
+def test_the_cuda_knobs_say_why_not_on_cpu_and_autocast_applies_there():
+    model = tower()
+    assert KNOBS["tf32"].supports(model) == \
+        "TF32 needs a CUDA device with compute capability >= 8.0; this model is on cpu"
+    assert KNOBS["cuda_graphs"].supports(model) == "CUDA graphs need a CUDA device; this model is on cpu"
+    assert KNOBS["autocast"].supports(model) is None
+    assert KNOBS["cuda_graphs"].engines == ("inductor", "lowp") and KNOBS["autocast"].engines == ("eager", "inductor")
+
+
+def test_autocast_runs_linears_in_bf16_on_cpu_keeps_names_and_fp32_outputs_and_survives_save_and_load(tmp_path):
+    model = tower()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cast = KNOBS["autocast"].apply(model)
+    assert [n for n, _ in cast.named_modules()] == [n for n, _ in model.named_modules()]
+    assert linear_dtype(cast, V) == torch.bfloat16 and linear_dtype(model, V) == torch.float32
+    with torch.no_grad():
+        out, reference = cast(V), model(V)
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05)
+    assert not torch.equal(out, reference)                      # it did run in bf16
+    assert not torch.is_autocast_enabled("cpu")                 # nothing left on after the call
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    torch.save(cast, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert linear_dtype(loaded, V) == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(loaded(V), out)
+
+
+def test_a_scoped_knob_leaves_its_setting_off_even_when_the_forward_raises():
+    model = KNOBS["autocast"].apply(tower())
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 3))                                # wrong width
+    assert not torch.is_autocast_enabled("cpu")
+    assert linear_dtype(model, V) == torch.bfloat16             # and the model still works
+
+
+def test_tf32_is_on_inside_the_model_only_and_restored_after_a_call_or_a_raise():
+    seen = []
+    model = KNOBS["tf32"].apply(tower())                        # apply runs anywhere; supports decides where tried
+    model[1].register_forward_hook(lambda *_: seen.append((torch.backends.cuda.matmul.allow_tf32,
+                                                           torch.backends.cudnn.allow_tf32)))
+    cudnn = torch.backends.cudnn.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    with torch.no_grad():
+        model(V)
+    assert seen == [(True, True)]
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, cudnn)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 3))
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, cudnn)
+
+
+def test_cuda_graphs_marks_the_model_and_compiling_engines_compile_it_with_reduce_overhead(monkeypatch):
+    from autotune.engines import InductorEngine, LowPrecisionEngine
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compiled.append(options) or model)
+    marked = KNOBS["cuda_graphs"].apply(tower())
+    InductorEngine().runnable(marked)
+    LowPrecisionEngine().runnable(marked)
+    InductorEngine().runnable(tower())
+    assert compiled == [{"mode": "reduce-overhead"}, {"mode": "reduce-overhead"}, {}]
+    assert InductorEngine().save(marked, ((V,), {}), "/dev/null").startswith(
+        "torch.compile(torch.load(path, weights_only=False), mode='reduce-overhead')")
+
+
+def test_autocast_under_torch_compile_runs_in_bf16_and_turns_off_after():
+    model = tower()
+    cast = KNOBS["autocast"].apply(model)
+    with torch.no_grad():
+        eager, reference = cast(V), model(V)
+        out = torch.compile(cast)(V)
+    assert out.dtype == torch.float32 and torch.allclose(out, eager, atol=2e-2)
+    assert (out - reference).abs().max() > 1e-4                # bf16, not fp32
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def runs_under_autocast(model: nn.Module, inputs) -> bool:
+    """Whether autocast is on inside `model` (read by a pre-hook on its first child) when it runs on `inputs`."""
+    from autotune.capture import call
+
+    seen = []
+    handle = next(model.children()).register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    try:
+        with torch.no_grad():
+            call(model, inputs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+class AutocastIsFaster(HalfCostMeasurer):
+    """A model running under autocast at 0.4 of fp32, other lowered ones at 0.7 (no real timing)."""
+
+    def latency(self, models, inputs, repeats):
+        def ms(name, model):
+            return 10.0 if name == "fp32" else 4.0 if runs_under_autocast(model, inputs) else 7.0
+        return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
+
+
+def tower_inputs():
+    return V
+
+
+def test_autocast_measured_faster_is_kept_the_cuda_knobs_reasons_are_kept_and_apply_rebuilds_it(tmp_path):
+    model = tower()
+    storage = f"sqlite:///{tmp_path}/a.db"
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
+                          max_trials=3, storage=storage, study_name="amp")
+    result = autotune(model, config, fidelity(model, V), V, measurer=AutocastIsFaster())
+    assert result.knobs == ("autocast",) and result.speedup == pytest.approx(2.5)
+    assert runs_under_autocast(result.model, ((V,), {})) and not torch.is_autocast_enabled("cpu")
+    attrs = result.study.user_attrs
+    assert attrs["autotune.knobs_not_tried"] == {
+        "channels_last": "the model has no Conv2d", "fold_bn": "the model has no BatchNorm",
+        "tf32": "TF32 needs a CUDA device with compute capability >= 8.0; this model is on cpu",
+        "cuda_graphs": "CUDA graphs need a CUDA device; this model is on cpu"}
+    assert [name for name in attrs["autotune.finalist_setup_s"] if "+" in name] == [
+        next(iter(attrs["autotune.finalist_setup_s"])) + " +autocast"]
+
+    saved, output = export_then_apply(tmp_path, "amp", storage, "test_knobs:tower", "test_knobs:tower_inputs")
+    assert saved["knobs"] == ["autocast"] and "with autocast" in output
+    rebuilt = torch.load(tmp_path / "applied.pt", weights_only=False)
+    assert runs_under_autocast(rebuilt, ((V,), {}))
+
+
+def test_a_knob_is_tried_only_in_the_engines_it_has_an_effect_in(tmp_path, monkeypatch):
+    from autotune.engines import knobs
+
+    class AnywhereCudaGraphs(knobs.CudaGraphs):
+        def supports(self, model):
+            return None
+    monkeypatch.setitem(KNOBS, "cuda_graphs", AnywhereCudaGraphs())
+    model = tower()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
+                          max_trials=3, storage=f"sqlite:///{tmp_path}/g.db", knobs=["cuda_graphs", "autocast"])
+    result = autotune(model, config, fidelity(model, V), V, measurer=AutocastIsFaster())
+    tried = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "+" in name]
+    assert tried and all(name.endswith("+autocast") for name in tried)    # the eager engine compiles nothing
+
+
+def test_applying_a_plan_with_a_knob_this_model_cannot_take_is_refused_with_the_reason(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"plan": {"1": "bf16", "3": "fp32"}, "engine": "inductor", "knobs": ["cuda_graphs"]}))
+    (tmp_path / "k.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": "test_knobs:tower"}, "evaluation": {"eval_fn": "test_knobs:tower"},
+        "example_inputs": {"factory": "test_knobs:tower_inputs"}}))
+    result = CliRunner().invoke(main, ["apply", str(plan), "--config", str(tmp_path / "k.yaml"),
+                                       "--out", str(tmp_path / "m.pt")])
+    assert result.exit_code == 2 and "knob cuda_graphs does not apply to this model: CUDA graphs need a CUDA " \
+        "device; this model is on cpu" in result.output and not (tmp_path / "m.pt").exists()

@@ -260,6 +260,9 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
         validate_plan(plan, search_candidates(model, config.tuning))
     except PlanError as exc:
         raise CliError(f"{plan_path}: {exc}") from None
+    for knob, reason in ((knob, KNOBS[knob].supports(model)) for knob in knobs):
+        if reason is not None:   # e.g. a plan tuned on a GPU, applied to a model configured for the CPU
+            raise CliError(f"{plan_path}: knob {knob} does not apply to this model: {reason}")
     batches = calibration_batches(config, model)
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))

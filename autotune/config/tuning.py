@@ -165,10 +165,11 @@ class TuningConfig(ConfigModel):
                     "in each that can realise it, the fastest passing one wins")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
-    knobs: list[Literal["channels_last", "fold_bn"]] = Field(
-        default_factory=lambda: ["channels_last", "fold_bn"],
+    knobs: list[Literal["channels_last", "fold_bn", "autocast", "tf32", "cuda_graphs"]] = Field(
+        default_factory=lambda: ["channels_last", "fold_bn", "autocast", "tf32", "cuda_graphs"],
         description="model-level knobs tried on each engine's best finalist, each kept only where re-timed "
-                    "faster (autotune.engines.knobs); a knob the model has no use for is not tried")
+                    "faster and re-evaluated within the tolerance (autotune.engines.knobs); a knob the model has "
+                    "no use for (tf32 and cuda_graphs off CUDA, channels_last without Conv2d) is not tried")
     compile_cache: str | None = Field(
         f"{DEFAULT_STUDIES_DIR}/cache/compiled", min_length=1,
         description="folder where finalists of compiling engines and the compiler's artefacts are kept per study, "

@@ -4,11 +4,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.errors import AutotuneError
 from autotune.plan import Plan
+
+# A knob that changes how a model is compiled marks the model with the mode (a plain attribute: it survives copies,
+# plans applied after it and torch.save), and compiling engines read it in `runnable`. A mark rather than an engine
+# option: the engines are stateless singletons, and a finalist's knobs live with its model, as the others' do.
+COMPILE_MODE = "autotune_compile_mode"
+
+
+def compile_runnable(built: nn.Module) -> nn.Module:
+    """`built` under torch.compile, in the mode its knobs marked it with (default: torch.compile's own)."""
+    mode = getattr(built, COMPILE_MODE, None)
+    return torch.compile(built, mode=mode) if mode else torch.compile(built)
+
+
+def how_to_compile(loaded: str, built: nn.Module) -> str:
+    """How a user compiles what `save` wrote (`loaded`: the expression that loads it) as `runnable` does."""
+    mode = getattr(built, COMPILE_MODE, None)
+    return f"torch.compile({loaded}, mode={mode!r})" if mode else f"torch.compile({loaded})"
 
 
 class EngineUnavailable(AutotuneError):

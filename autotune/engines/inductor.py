@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.engines.base import compile_runnable, how_to_compile
 from autotune.engines.eager import EagerEngine
 
 
@@ -17,8 +18,8 @@ class InductorEngine(EagerEngine):
     name: str = "inductor"
 
     def runnable(self, built: nn.Module) -> nn.Module:
-        return torch.compile(built)
+        return compile_runnable(built)
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
         torch.save(built, path)
-        return "torch.compile(torch.load(path, weights_only=False)), where autotune is importable"
+        return how_to_compile("torch.load(path, weights_only=False)", built) + ", where autotune is importable"

@@ -1,22 +1,29 @@
-"""Model-level knobs: whole-model changes that keep the numerics (to rounding) and may make a plan run faster.
-They are tried on the finalists, beside the engines, and kept only where the re-timing says so. Each has the
-shape of a technique: `supports(model)` says why it does not apply (None: it does), `apply(model)` returns a new
-model, the given one untouched. On CUDA, CUDA graphs and autocast belong here as knobs of the same shape."""
+"""Model-level knobs: whole-model changes that may make a plan run faster. They are tried on the finalists,
+beside the engines, and kept only where the re-timing says so; like every finalist, one is re-evaluated before it
+can win (autocast changes the numerics; the others keep them to rounding). Each has the shape of a technique:
+`supports(model)` says why it does not apply (None: it does), `apply(model)` returns a new model, the given one
+untouched, its module names unchanged (a plan is applied by module name after its knobs)."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from autotune.clone import clone
+from autotune.engines.base import COMPILE_MODE
+from autotune.engines.lowp import LOW
+from autotune.tree import map_tensors
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 class Knob(Protocol):
     name: str
+    engines: ClassVar[tuple[str, ...] | None]    # the engines it has an effect in; None: every engine
 
     def supports(self, model: nn.Module) -> str | None:
         """Why this knob does nothing for `model`, or None where it applies."""
@@ -33,6 +40,7 @@ class Knob(Protocol):
 class ChannelsLast:
     """4-d weights and activations in NHWC, the layout oneDNN's convolutions prefer on CPU."""
     name: str = "channels_last"
+    engines: ClassVar[tuple[str, ...] | None] = None
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "the model has no Conv2d"
@@ -45,6 +53,7 @@ class ChannelsLast:
 class FoldBatchNorm:
     """Each BatchNorm that follows a convolution or Linear folded into its weights (inference only)."""
     name: str = "fold_bn"
+    engines: ClassVar[tuple[str, ...] | None] = None
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, BATCH_NORMS) for m in model.modules()) else "the model has no BatchNorm"
@@ -55,7 +64,130 @@ class FoldBatchNorm:
         return fuse(clone(model).eval())   # traces the model (torch.fx): a model it cannot trace raises
 
 
-KNOBS: dict[str, Knob] = {knob.name: knob for knob in (ChannelsLast(), FoldBatchNorm())}
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters (else buffers) are; the CPU for a model with neither."""
+    tensor = next(iter(model.parameters()), None)
+    tensor = tensor if tensor is not None else next(iter(model.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+# Scoped settings around the model's forward: a pre-hook enters them, a hook run even when forward raises
+# (always_call) leaves them, with what to restore kept on a list both hooks share. Hooks keep the module names and
+# the model's class; built from functools.partial over module-level functions they survive clone, torch.save /
+# torch.load and torch.compile. torch.compiler.disable runs them eagerly at their place in the call, so the
+# compiled graph between them is traced and runs with the settings on, as under an enclosing `with` block.
+@torch.compiler.disable
+def _enter(enter: Callable[[], Any], tokens: list, module: nn.Module, args: tuple) -> None:
+    tokens.append(enter())
+
+
+@torch.compiler.disable
+def _leave(leave: Callable[[Any], None], tokens: list, module: nn.Module, args: tuple, output: Any) -> None:
+    leave(tokens.pop())
+
+
+def around_forward(model: nn.Module, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
+    """`enter()` before each call of `model`, `leave(what enter returned)` after it, even if the call raised."""
+    tokens: list = []
+    model.register_forward_pre_hook(functools.partial(_enter, enter, tokens))
+    model.register_forward_hook(functools.partial(_leave, leave, tokens), always_call=True)
+
+
+def _autocast_on(device_type: str, dtype: torch.dtype) -> torch.autocast:
+    context = torch.autocast(device_type, dtype=dtype)
+    context.__enter__()
+    return context
+
+
+def _autocast_off(context: torch.autocast) -> None:
+    context.__exit__(None, None, None)
+
+
+def _float32_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
+    return map_tensors(output, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The model's forward under `torch.autocast` (AMP): fp16 on CUDA, bf16 elsewhere; autocast picks the dtype per
+    op (matmuls and convolutions low, reductions and softmax in fp32). Half-precision outputs are cast back to
+    fp32, as a plan's are. It changes the numerics, so it is kept only where its re-evaluation passes. Tried in
+    the engines that run the plan's modules as they are (eager, inductor): lowp already runs the whole model in
+    the low dtype, and pt2e realises int8 through export."""
+    name: str = "autocast"
+    engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor")
+
+    @staticmethod
+    def dtype(device: torch.device) -> torch.dtype:
+        return LOW["fp16"] if device.type == "cuda" else LOW["bf16"]
+
+    def supports(self, model: nn.Module) -> str | None:
+        device = device_of(model)
+        if not torch.amp.is_autocast_available(device.type):
+            return f"torch.autocast does not run on {device.type}"
+        return None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        model = clone(model)
+        device = device_of(model)
+        model.register_forward_hook(_float32_outputs)    # registered first: runs while autocast is still on
+        around_forward(model, functools.partial(_autocast_on, device.type, self.dtype(device)), _autocast_off)
+        return model
+
+
+def _tf32_on() -> tuple[bool, bool]:
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return previous
+
+
+def _tf32_off(previous: tuple[bool, bool]) -> None:
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@dataclass(frozen=True)
+class TF32:
+    """fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation) while this
+    model runs, and only then: the flags are process-wide, so they are set around its forward and restored after
+    it, leaving the fp32 reference and every other model in the process as they were."""
+    name: str = "tf32"
+    engines: ClassVar[tuple[str, ...] | None] = None
+
+    def supports(self, model: nn.Module) -> str | None:
+        device = device_of(model)
+        needs = "TF32 needs a CUDA device with compute capability >= 8.0"
+        if device.type != "cuda":
+            return f"{needs}; this model is on {device}"
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{needs}; {device} has {major}.{minor}" if (major, minor) < (8, 0) else None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        model = clone(model)
+        around_forward(model, _tf32_on, _tf32_off)
+        return model
+
+
+@dataclass(frozen=True)
+class CudaGraphs:
+    """CUDA graphs: the compiling engines compile the model with `mode="reduce-overhead"`, which records each
+    shape's kernels once and replays them, so a launch-bound model stops paying the CPU cost of each launch. The
+    knob marks the model (engines.base.COMPILE_MODE) and the engines' `runnable` reads the mark. Only engines that
+    compile with torch.compile can take it (eager does not compile; pt2e's export drops the mark and is CPU-only)."""
+    name: str = "cuda_graphs"
+    engines: ClassVar[tuple[str, ...] | None] = ("inductor", "lowp")
+
+    def supports(self, model: nn.Module) -> str | None:
+        device = device_of(model)
+        return None if device.type == "cuda" else f"CUDA graphs need a CUDA device; this model is on {device}"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        model = clone(model)
+        setattr(model, COMPILE_MODE, "reduce-overhead")
+        return model
+
+
+KNOBS: dict[str, Knob] = {knob.name: knob for knob in (ChannelsLast(), FoldBatchNorm(), Autocast(), TF32(),
+                                                        CudaGraphs())}
 
 
 def with_knobs(model: nn.Module, names: tuple[str, ...]) -> nn.Module:

@@ -14,7 +14,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
-from autotune.engines.base import Calibration
+from autotune.engines.base import Calibration, compile_runnable, how_to_compile
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 
@@ -66,11 +66,11 @@ class LowPrecisionEngine:
         return model
 
     def runnable(self, built: nn.Module) -> nn.Module:
-        return torch.compile(built)
+        return compile_runnable(built)
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
         torch.save(built, path)
-        return "torch.compile(torch.load(path, weights_only=False)), where autotune is importable"
+        return how_to_compile("torch.load(path, weights_only=False)", built) + ", where autotune is importable"
 
     def load(self, path: str) -> nn.Module:
         return torch.load(path, weights_only=False)

@@ -98,6 +98,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
     cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
+    knobs = _knobs_to_try(runner)
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
@@ -107,7 +108,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         try:
             for name, plan in plans.items():
                 found[name + suffix] = _ready(engine, plan, runner, calibration, cache)
-            found.update(_with_knobs(engine, plans, suffix, runner, cache))
+            found.update(_with_knobs(engine, knobs, plans, suffix, runner, cache))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
@@ -116,14 +117,24 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     return found
 
 
-def _with_knobs(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner,
+def _knobs_to_try(runner: TrialRunner) -> list[str]:
+    """The configured knobs the model has a use for; each other one's reason is logged and kept on the study
+    (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model."""
+    not_tried = {name: reason for name in runner.config.knobs if (reason := KNOBS[name].supports(runner.fp32))}
+    for name, reason in not_tried.items():
+        log.info("knob %s is not tried: %s", name, reason)
+    studies.set_attr(runner.study, "knobs_not_tried", not_tried)
+    return [name for name in runner.config.knobs if name not in not_tried]
+
+
+def _with_knobs(engine: Engine, knobs: list[str], plans: dict[str, Plan], suffix: str, runner: TrialRunner,
                 cache: CompileCache) -> dict[str, Finalist]:
-    """The engine's best finalist plan with each configured knob the model has a use for; a knob the model or
-    the engine cannot take is left out with its reason logged."""
+    """The engine's best finalist plan with each of `knobs` that has an effect in this engine; a knob the model's
+    tool or the engine then cannot handle is left out with its reason logged."""
     best = next(iter(plans.items()), None)
     found: dict[str, Finalist] = {}
-    for knob in (KNOBS[name] for name in runner.config.knobs):
-        if best is None or knob.supports(runner.fp32) is not None:
+    for knob in (KNOBS[name] for name in knobs):
+        if best is None or (knob.engines is not None and engine.name not in knob.engines):
             continue
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
         calibration = Calibration(runner.batches, runner.calibration)
