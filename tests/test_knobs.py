@@ -263,6 +263,27 @@ def test_autocast_measured_faster_is_kept_the_cuda_knobs_reasons_are_kept_and_ap
     assert runs_under_autocast(rebuilt, ((V,), {}))
 
 
+class Bf16Emulated(AutocastIsFaster):
+    """bf16 modules measured at 3x their fp32 time, as on a CPU without native bf16."""
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        costs = {"fp32": 1.0, "bf16": 3.0, "int8": 0.5}
+        return {name: {d: costs[d] for d in dtypes} for name, dtypes in candidates.items()}
+
+
+@pytest.mark.parametrize("dtypes, reason", [
+    (["bf16", "fp32"], "its modules took 3.0x their fp32 time in bf16, eagerly"),
+    (["int8", "fp32"], "bf16 is not among the dtypes tuned")])
+def test_autocast_is_not_tried_in_a_dtype_measured_far_slower_or_not_tuned(tmp_path, dtypes, reason):
+    model = tower()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.2, max_trials=3,
+                          storage=f"sqlite:///{tmp_path}/s.db", knobs=["autocast"])
+    result = autotune(model, config, fidelity(model, V), V, measurer=Bf16Emulated())
+    assert result.study.user_attrs["autotune.knobs_not_tried"] == {"autocast": reason}
+    assert not any("+" in name for name in result.study.user_attrs["autotune.finalist_setup_s"])
+    assert result.knobs == ()
+
+
 def test_a_knob_is_tried_only_in_the_engines_it_has_an_effect_in(tmp_path, monkeypatch):
     from autotune.engines import knobs
 

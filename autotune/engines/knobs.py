@@ -28,6 +28,10 @@ class Knob(Protocol):
     def supports(self, model: nn.Module) -> str | None:
         """Why this knob does nothing for `model`, or None where it applies."""
 
+    def runs_in(self, model: nn.Module) -> str | None:
+        """The plan dtype (e.g. "bf16") the knob runs `model`'s matmuls in, None where it keeps their dtype: the
+        tuner does not try it where the study measured that dtype far slower than fp32."""
+
     def apply(self, model: nn.Module) -> nn.Module:
         """A new model with the knob set (the fp32 model, before a plan is realised on it).
 
@@ -45,6 +49,9 @@ class ChannelsLast:
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "the model has no Conv2d"
 
+    def runs_in(self, model: nn.Module) -> str | None:
+        return None
+
     def apply(self, model: nn.Module) -> nn.Module:
         return clone(model).to(memory_format=torch.channels_last)
 
@@ -57,6 +64,9 @@ class FoldBatchNorm:
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, BATCH_NORMS) for m in model.modules()) else "the model has no BatchNorm"
+
+    def runs_in(self, model: nn.Module) -> str | None:
+        return None
 
     def apply(self, model: nn.Module) -> nn.Module:
         from torch.fx.experimental.optimization import fuse
@@ -117,21 +127,20 @@ class Autocast:
     name: str = "autocast"
     engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor")
 
-    @staticmethod
-    def dtype(device: torch.device) -> torch.dtype:
-        return LOW["fp16"] if device.type == "cuda" else LOW["bf16"]
-
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
         if not torch.amp.is_autocast_available(device.type):
             return f"torch.autocast does not run on {device.type}"
         return None
 
+    def runs_in(self, model: nn.Module) -> str | None:
+        return "fp16" if device_of(model).type == "cuda" else "bf16"
+
     def apply(self, model: nn.Module) -> nn.Module:
         model = clone(model)
         device = device_of(model)
         model.register_forward_hook(_float32_outputs)    # registered first: runs while autocast is still on
-        around_forward(model, functools.partial(_autocast_on, device.type, self.dtype(device)), _autocast_off)
+        around_forward(model, functools.partial(_autocast_on, device.type, LOW[self.runs_in(model)]), _autocast_off)
         return model
 
 
@@ -161,6 +170,9 @@ class TF32:
         major, minor = torch.cuda.get_device_capability(device)
         return f"{needs}; {device} has {major}.{minor}" if (major, minor) < (8, 0) else None
 
+    def runs_in(self, model: nn.Module) -> str | None:
+        return None
+
     def apply(self, model: nn.Module) -> nn.Module:
         model = clone(model)
         around_forward(model, _tf32_on, _tf32_off)
@@ -179,6 +191,9 @@ class CudaGraphs:
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
         return None if device.type == "cuda" else f"CUDA graphs need a CUDA device; this model is on {device}"
+
+    def runs_in(self, model: nn.Module) -> str | None:
+        return None
 
     def apply(self, model: nn.Module) -> nn.Module:
         model = clone(model)

@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, get_engine
+from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, Knob, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
@@ -71,22 +71,28 @@ def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
 
 def uniform_plans_worth_compiling(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
                                   ) -> dict[str, Plan]:
-    """{dtype: its uniform plan} for each lowered dtype whose modules, run eagerly, took less than
-    HOPELESS_RATIO times their fp32 time in all: compiling fuses the casts and quantisation around a dtype's
-    kernels, never makes the kernels themselves several times faster (bf16 and fp16 on a CPU that emulates
-    them measure 4-25x slower: such a plan would cost a compile and seconds of timing, to lose)."""
+    """{dtype: its uniform plan} for each lowered dtype `too_slow` finds no reason against."""
     plans = {}
     for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
-        plan = uniform_plan(candidates, dtype)
-        lowered = [name for name, chosen in plan.items() if chosen == dtype]
-        fp32_ms = sum(latency[n]["fp32"] for n in lowered)
-        ratio = sum(latency[n][dtype] for n in lowered) / fp32_ms if fp32_ms > 0 else 1.0
-        if ratio < HOPELESS_RATIO:
-            plans[dtype] = plan
+        reason = too_slow(candidates, latency, dtype)
+        if reason is None:
+            plans[dtype] = uniform_plan(candidates, dtype)
         else:
-            log.info("uniform %s is not compiled as a finalist: its modules took %.1fx their fp32 time eagerly",
-                     dtype, ratio)
+            log.info("uniform %s is not compiled as a finalist: %s", dtype, reason)
     return plans
+
+
+def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]], dtype: str) -> str | None:
+    """Why running the modules that may take `dtype` in it cannot pay, even compiled: it is not a dtype tuned
+    here, or they took HOPELESS_RATIO times their fp32 time or more in all, run eagerly. Compiling fuses the casts
+    and quantisation around a dtype's kernels, never makes the kernels themselves several times faster (bf16 and
+    fp16 on a CPU that emulates them measure 4-25x slower: trying them costs a compile and seconds of timing)."""
+    lowered = [name for name, options in candidates.items() if dtype in options]
+    if not lowered:
+        return f"{dtype} is not among the dtypes tuned"
+    fp32_ms = sum(latency[n]["fp32"] for n in lowered)
+    ratio = sum(latency[n][dtype] for n in lowered) / fp32_ms if fp32_ms > 0 else 1.0
+    return f"its modules took {ratio:.1f}x their fp32 time in {dtype}, eagerly" if ratio >= HOPELESS_RATIO else None
 
 
 def finalists(runner: TrialRunner) -> dict[str, Finalist]:
@@ -120,7 +126,13 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
 def _knobs_to_try(runner: TrialRunner) -> list[str]:
     """The configured knobs the model has a use for; each other one's reason is logged and kept on the study
     (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model."""
-    not_tried = {name: reason for name in runner.config.knobs if (reason := KNOBS[name].supports(runner.fp32))}
+    candidates, latency = (studies.get_attr(runner.study, name) for name in ("candidates", "module_latency_ms"))
+
+    def why_not(knob: Knob) -> str | None:
+        low = knob.runs_in(runner.fp32)
+        return knob.supports(runner.fp32) or (too_slow(candidates, latency, low) if low else None)
+
+    not_tried = {name: reason for name in runner.config.knobs if (reason := why_not(KNOBS[name]))}
     for name, reason in not_tried.items():
         log.info("knob %s is not tried: %s", name, reason)
     studies.set_attr(runner.study, "knobs_not_tried", not_tried)
