@@ -6,8 +6,12 @@ each kill, every trial that had finished is still there, unchanged, and the tria
 At the end: most kills interrupted a trial; each interrupted trial is FAILED (by the heartbeat check, not left
 RUNNING, with no reason of its own) and its plan evaluated to its end later; every eval_fn call that returned
 was one trial's evaluation (counted from eval_fn's own log, `worker_workload.py`); the study holds no trial the
-kills do not account for; and the best plan is the one an uninterrupted run finds (the workload has a single
-right answer, `resume_workload.expected_plan()`). The heartbeat is short here (1 s, grace 2 s) so that a restarted
+kills do not account for; and the answer an uninterrupted run finds (`resume_workload.expected_plan()`, the
+fastest plan that keeps the sensitive layers fp32) was evaluated and passed, and the winner keeps those layers
+fp32. Which passing plan wins is decided by timing: with the 24 trials this test spends, the exhaustive phase
+also evaluates plans one int8 layer short of the answer, and on an AVX2 host, where FBGEMM's int8 Linear runs
+at about 0.7 of fp32, one layer is a 6 % difference that 3 timing rounds per trial can rank either way. The
+heartbeat is short here (1 s, grace 2 s) so that a restarted
 process finds the killed trial stale at its start or within its first trials.
 """
 from __future__ import annotations
@@ -143,7 +147,10 @@ def test_twenty_kills_mid_trial_lose_nothing_and_reach_the_uninterrupted_answer(
     assert set(trials) == accounted | set(duplicates), \
         sorted((t.number, t.state.name, dict(t.user_attrs)) for n, t in trials.items() if n not in accounted)
 
-    assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
+    answer = [t for t in evaluated if trial_plan(t) == resume_workload.expected_plan()]
+    assert len(answer) == 1 and answer[0].state == TrialState.COMPLETE and answer[0].user_attrs["passed"]
+    best = study.user_attrs["autotune.best"]["plan"]
+    assert all(best[resume_workload.module_name(b)] == "fp32" for b in resume_workload.SENSITIVE), best
     print(f"\n{KILLS} kills {min(delays):.2f}-{max(delays):.2f} s into a run's trials, {len(interrupted)} mid-trial "
           f"({len(set(interrupted) & retried)} retried by the callback); "
           f"{len(kept)} finished trials kept across them; {len(evaluated)} evaluated, {len(duplicates)} duplicate, "
