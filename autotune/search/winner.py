@@ -46,14 +46,15 @@ class Winner:
     knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
 
 
-def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
+def finalist_plans(runner: TrialRunner, engine: Engine, compiled_uniform: dict[str, Plan]) -> dict[str, Plan]:
     """Of the passing trials `engine` can realise: the three fastest and the fastest uniform plan, so the winner
     is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
     wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
 
-    A compiling engine also gets every uniform plan it can realise over all tunable modules, evaluated or not:
-    the search predicts costs from modules run eagerly, which can prune a dtype that only pays off compiled
-    (int8 convolutions fused by inductor). Such a plan is re-evaluated before it can win, like every finalist."""
+    A compiling engine also gets each plan of `compiled_uniform` (uniform_plans_worth_compiling) it can realise,
+    evaluated or not: the search predicts costs from modules run eagerly, which can prune a dtype that only pays
+    off compiled (int8 convolutions fused by inductor). Such a plan is re-evaluated before it can win, like every
+    finalist."""
     passing = [t for t in studies.passing_trials(runner.study)
                if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
     uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
@@ -61,9 +62,7 @@ def finalist_plans(runner: TrialRunner, engine: Engine) -> dict[str, Plan]:
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
     if engine.name != "eager":
         known = {plan_key(plan) for plan in plans.values()}
-        extra = uniform_plans_worth_compiling(studies.get_attr(runner.study, "candidates"),
-                                              studies.get_attr(runner.study, "module_latency_ms"))
-        for dtype, plan in extra.items():
+        for dtype, plan in compiled_uniform.items():
             if plan_key(plan) not in known and engine.unsupported(plan) is None:
                 plans[f"uniform {dtype}"] = plan
     return plans
@@ -104,11 +103,13 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
     cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
-    knobs = _knobs_to_try(runner)
+    candidates, latency = (studies.get_attr(runner.study, name) for name in ("candidates", "module_latency_ms"))
+    compiled_uniform = uniform_plans_worth_compiling(candidates, latency)   # once: it logs what it leaves out
+    knobs = _knobs_to_try(runner, candidates, latency)
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        plans = finalist_plans(runner, engine)
+        plans = finalist_plans(runner, engine, compiled_uniform)
         if suffix and engine.unsupported(fp32 := _fp32_plan(runner)) is None:
             plans["fp32"] = fp32
         try:
@@ -123,10 +124,10 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     return found
 
 
-def _knobs_to_try(runner: TrialRunner) -> list[str]:
+def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
+                  ) -> list[str]:
     """The configured knobs the model has a use for; each other one's reason is logged and kept on the study
-    (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model."""
-    candidates, latency = (studies.get_attr(runner.study, name) for name in ("candidates", "module_latency_ms"))
+    (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model, or autocast in a dtype `too_slow` rules out."""
 
     def why_not(knob: Knob) -> str | None:
         low = knob.runs_in(runner.fp32)
