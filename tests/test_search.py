@@ -1,3 +1,4 @@
+import itertools
 import math
 
 from autotune.plan import plan_key
@@ -74,13 +75,15 @@ def test_qkv_siblings_are_found_per_attention_block():
         ["l0.attn.query", "l0.attn.key", "l0.attn.value"], ["l1.attn.q_proj", "l1.attn.k_proj", "l1.attn.v_proj"]]
 
 
-def run_guided(s, passes, workers=1):
+def run_guided(s, passes, workers=1, loss=None):
     """The guided search as `workers` workers run it, each plan taking one unit of time: the plans in the order
-    they were taken, and the time the last one ended."""
+    they were taken, and the time the last one ended. `loss` (in tolerances) is what the search is told of an
+    evaluated plan's accuracy; without it, only whether it passed."""
     search, taken, status, running, clock = GuidedSearch(s), [], {}, [], 0
+    losses = {}
     while True:
         while len(running) < workers and (plan := search.next_plan(
-                lambda p: status.get(plan_key(p), Status.NEW))) is not None:
+                lambda p: status.get(plan_key(p), Status.NEW), lambda p: losses.get(plan_key(p)))) is not None:
             taken.append(plan)
             status[plan_key(plan)] = Status.RUNNING
             running.append((clock + 1, plan))
@@ -88,6 +91,8 @@ def run_guided(s, passes, workers=1):
             return taken, clock
         clock, plan = running.pop(0)      # the oldest ends first
         status[plan_key(plan)] = Status.PASSED if passes(plan) else Status.FAILED
+        if loss is not None:
+            losses[plan_key(plan)] = loss(plan)
 
 
 def test_bisection_finds_the_passing_boundary_in_logarithmic_evaluations():
@@ -117,6 +122,50 @@ def test_workers_share_one_bisection_each_taking_a_plan_no_one_has_and_reach_the
         assert fastest_passing_ms(shared) <= fastest_passing_ms(alone)
         assert shared_time <= alone_time * {2: 0.85, 4: 0.5}[workers], (workers, shared_time, alone_time)
         assert len(shared) <= 2 * len(alone)         # speculation on outcomes still to come costs, boundedly
+
+
+def graded_space(n, seed):
+    """n modules of varied cost and int8 / bf16 noise: the boundary is a real mix of dtypes."""
+    import random
+    rng = random.Random(seed)
+    candidates = {f"m{i}": ["int8", "bf16", "fp32"] for i in range(n)}
+    latency, sensitivity = {}, {}
+    for name in candidates:
+        fp32 = rng.lognormvariate(0, 0.5)
+        latency[name] = {"fp32": fp32, "int8": fp32 * rng.uniform(0.3, 0.8), "bf16": fp32 * rng.uniform(0.55, 0.95)}
+        int8 = rng.lognormvariate(0, 1.6)
+        sensitivity[name] = {"fp32": 0.0, "int8": int8, "bf16": int8 * rng.uniform(0.1, 0.3)}
+    return SearchSpace.build(candidates, sensitivity, latency)
+
+
+def test_measured_losses_place_the_budgets_reaching_as_fast_a_plan_in_fewer_evaluations():
+    from autotune.search.guided import LATENCY_RESOLUTION
+    for seed, shape in itertools.product(range(3), ("linear", "convex", "concave")):
+        s = graded_space(120, seed)
+        limit = s.predicted_noise(s.fastest_plan()) / 4          # the fastest plan loses 4 tolerances-worth or so
+        power = {"linear": 1.0, "convex": 3.0, "concave": 0.4}[shape]
+        loss = lambda plan: (s.predicted_noise(plan) / limit) ** power
+        passes = lambda plan: loss(plan) <= 1
+        bisected, _ = run_guided(s, passes)
+        guided, _ = run_guided(s, passes, loss=loss)
+        best_ms = lambda plans: min(s.predicted_ms(p) for p in plans if passes(p))
+        assert best_ms(guided) <= best_ms(bisected) * (1 + 2 * LATENCY_RESOLUTION), (seed, shape)
+        assert len(guided) < len(bisected), (seed, shape, len(guided), len(bisected))
+
+
+def test_the_search_stops_once_the_plans_left_differ_by_less_than_a_timing_could_tell(monkeypatch):
+    from autotune.search import guided
+    s = graded_space(200, 0)
+    limit = s.predicted_noise(s.fastest_plan()) / 4
+    passes = lambda plan: s.predicted_noise(plan) <= limit
+    best_ms = lambda plans: min(s.predicted_ms(p) for p in plans if passes(p))
+    stopped, _ = run_guided(s, passes)
+    resolution = guided.LATENCY_RESOLUTION
+    monkeypatch.setattr(guided, "LATENCY_RESOLUTION", 0.0)       # split down to the budget resolution alone
+    exhaustive, _ = run_guided(s, passes)
+    assert len(stopped) < len(exhaustive)
+    # What the stop leaves on the table is within the resolution of the predicted time.
+    assert best_ms(exhaustive) <= best_ms(stopped) <= best_ms(exhaustive) * (1 + resolution)
 
 
 def test_guided_search_stops_at_once_when_the_fastest_plan_passes():

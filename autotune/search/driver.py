@@ -80,7 +80,7 @@ def run_guided(runner: TrialRunner, budget: Budget) -> None:
         with runner.turn("guided"):     # one worker at a time chooses and queues, so no two take one plan
             fail_stale_trials(runner.study, runner.config.grace_period)   # a dead worker's plan is queued again
             runner.refresh()
-            plan = search.next_plan(runner.status_of)
+            plan = search.next_plan(runner.status_of, runner.tolerances_lost)
             if plan is not None:
                 runner.queue(plan, "guided")
         if plan is None:

@@ -270,6 +270,13 @@ class TrialRunner:
             return Status.FAILED
         return Status.RUNNING if key in self.taken else Status.NEW
 
+    def tolerances_lost(self, unit_plan: Plan) -> float | None:
+        """An evaluated plan's accuracy loss over the tolerable loss (1 is the limit), None where not known."""
+        outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
+        if outcome is None or self.config.tolerable_loss <= 0:
+            return None
+        return outcome.loss / self.config.tolerable_loss
+
     def turn(self, name: str) -> AbstractContextManager[None]:
         """Holds the study's lease `name` (one worker at a time) for a short step such as choosing a plan."""
         return lease(self.claims.storage, self.study.study_name, name, ttl_s=self.config.grace_period,
