@@ -1,5 +1,6 @@
-import itertools
 import math
+
+import pytest
 
 from autotune.plan import plan_key
 from autotune.search.guided import GuidedSearch, Status
@@ -56,8 +57,6 @@ def test_groups_make_one_unit_that_shares_a_dtype():
 
 
 def test_a_group_naming_an_unknown_or_doubly_grouped_module_is_a_config_error():
-    import pytest
-
     from autotune.errors import ConfigError
     candidates = {"a": ["int8", "fp32"], "b": ["int8", "fp32"]}
     signals = {n: {"fp32": 0.0, "int8": 0.1} for n in candidates}
@@ -138,19 +137,19 @@ def graded_space(n, seed):
     return SearchSpace.build(candidates, sensitivity, latency)
 
 
-def test_measured_losses_place_the_budgets_reaching_as_fast_a_plan_in_fewer_evaluations():
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("power", [1.0, 3.0, 0.4], ids=["linear", "convex", "concave"])
+def test_measured_losses_place_the_budgets_reaching_as_fast_a_plan_in_fewer_evaluations(seed, power):
     from autotune.search.guided import LATENCY_RESOLUTION
-    for seed, shape in itertools.product(range(3), ("linear", "convex", "concave")):
-        s = graded_space(120, seed)
-        limit = s.predicted_noise(s.fastest_plan()) / 4          # the fastest plan loses 4 tolerances-worth or so
-        power = {"linear": 1.0, "convex": 3.0, "concave": 0.4}[shape]
-        loss = lambda plan: (s.predicted_noise(plan) / limit) ** power
-        passes = lambda plan: loss(plan) <= 1
-        bisected, _ = run_guided(s, passes)
-        guided, _ = run_guided(s, passes, loss=loss)
-        best_ms = lambda plans: min(s.predicted_ms(p) for p in plans if passes(p))
-        assert best_ms(guided) <= best_ms(bisected) * (1 + 2 * LATENCY_RESOLUTION), (seed, shape)
-        assert len(guided) < len(bisected), (seed, shape, len(guided), len(bisected))
+    s = graded_space(120, seed)
+    limit = s.predicted_noise(s.fastest_plan()) / 4          # the fastest plan loses 4 tolerances-worth or so
+    loss = lambda plan: (s.predicted_noise(plan) / limit) ** power
+    passes = lambda plan: loss(plan) <= 1
+    bisected, _ = run_guided(s, passes)
+    guided, _ = run_guided(s, passes, loss=loss)
+    best_ms = lambda plans: min(s.predicted_ms(p) for p in plans if passes(p))
+    assert best_ms(guided) <= best_ms(bisected) * (1 + 2 * LATENCY_RESOLUTION)
+    assert len(guided) < len(bisected), (len(guided), len(bisected))
 
 
 def test_the_search_stops_once_the_plans_left_differ_by_less_than_a_timing_could_tell(monkeypatch):
