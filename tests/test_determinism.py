@@ -43,8 +43,9 @@ def linear_stack() -> nn.Module:
 def test_same_stored_signals_same_trial_plans_with_the_real_device_measurer(storage):
     """On a real device (the CPU here, with DeviceMeasurer timing every trial), what is deterministic: with the
     same seed, model, eval and the same per-module signals, which the study keeps once measured, the guided and
-    exhaustive phases run the same plans in the same order, whatever the trials' timings. (Patience and Optuna's TPE read the measured trial
-    latencies, so this run sets patience out of reach and keeps to a space of at most 256 plans.)"""
+    exhaustive phases run the same plans in the same order, whatever the trials' timings. (Patience and Optuna's
+    TPE read the measured trial latencies, so this run sets patience out of reach and keeps to a space of at most
+    256 plans.)"""
     inputs = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         reference = linear_stack()(inputs)
