@@ -5,7 +5,7 @@
 2. knapsack search of the boundary: for a budget B of predicted output noise, the knapsack plan is the fastest
    plan (by the per-unit timings) whose summed noise stays within B. The passing boundary lies between the
    baseline (passes) and the fastest plan (fails). The next budget is where the measured accuracy losses of the
-   two ends, interpolated over their noise, reach the tolerance (regula falsi, Illinois-safeguarded, so a
+   two ends, interpolated over their budgets, reach the tolerance (regula falsi, Illinois-safeguarded, so a
    loss that grows unevenly with noise does not stall one end); without losses it bisects on a log scale. It
    stops once the plans at the two ends are predicted within `LATENCY_RESOLUTION` of each other's time: no
    timing tells such plans apart, so an evaluation there buys nothing. Plans repeat between budgets, so each
