@@ -1,7 +1,7 @@
 """What measuring costs in a real tuning run: seconds spent in per-module signals and in whole-model timing,
 beside eval_fn's seconds and the wall time, on the shipped workloads (a shipped YAML config each).
 
-    .venv/bin/python benchmarks/measure_cost.py [--workloads mnist,minilm] [--max-trials N]
+    .venv/bin/python benchmarks/measure_cost.py [--workloads mnist,minilm] [--max-trials N] [--trial-timing T]
 
 Run it on two checkouts (PYTHONPATH=<other checkout> for the other) to compare measuring strategies: the
 Measurer interface it wraps is the one the tuner has always used.
@@ -35,7 +35,7 @@ class TimedMeasurer:
         return timed
 
 
-def run(workload: str, max_trials: int | None) -> dict:
+def run(workload: str, max_trials: int | None, trial_timing: str | None = None) -> dict:
     import autotune
     from autotune.config.file import load_config
     from autotune.measure.measurer import DeviceMeasurer
@@ -54,6 +54,8 @@ def run(workload: str, max_trials: int | None) -> dict:
         tuning = config.tuning.model_copy(update={"storage": f"sqlite:///{folder}/cost.db"})
         if max_trials:
             tuning.max_trials = max_trials
+        if trial_timing:
+            tuning.trial_timing = trial_timing
         measurer = TimedMeasurer(DeviceMeasurer(tuning))
         started = time.perf_counter()
         result = autotune.autotune(config.build_model(), tuning, timed_eval, config.build_example_inputs(),
@@ -69,12 +71,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workloads", default="mnist,minilm")
     parser.add_argument("--max-trials", type=int, default=None, help="default: the config's")
+    parser.add_argument("--trial-timing", choices=["measured", "predicted"], default=None,
+                        help="default: the config's")
     args = parser.parse_args()
     print("| workload | wall s | signals s | trial+final timing s | measuring share | eval_fn s | eval calls "
           "| speedup | plan |")
     print("|---|---|---|---|---|---|---|---|---|")
     for workload in args.workloads.split(","):
-        r = run(workload, args.max_trials)
+        r = run(workload, args.max_trials, args.trial_timing)
         measuring = r["signals_s"] + r["latency_s"]
         print(f"| {workload} | {r['wall_s']:.1f} | {r['signals_s']:.1f} | {r['latency_s']:.1f} | "
               f"{100 * measuring / r['wall_s']:.0f} % | {r['eval_s']:.1f} | {r['eval_calls']} | "

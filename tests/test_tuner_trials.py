@@ -151,3 +151,44 @@ def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicte
     assert "int8" not in timed_plans     # no failing plan's model was ever timed
     assert all(t.user_attrs["latency_measured"] for t in trials if t.user_attrs["passed"])
     assert result.plan["1.0"] == "fp32" and result.plan["0.0"] == result.plan["2.0"] == "int8"
+
+
+def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_plan_wins(storage):
+    from conftest import HalfCostMeasurer
+
+    from autotune.storage.study import evaluated_trials
+
+    def eval_fn(net):   # layer 1 in int8 misses the tolerance
+        with torch.inference_mode():
+            net(INPUTS[:4])
+        return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
+
+    runs = {}
+    for timing in ("measured", "predicted"):
+        timed = []
+
+        class Counting(HalfCostMeasurer):
+            def latency(self, models, inputs, repeats):
+                timed.extend(name for name in models if name != "fp32")
+                return super().latency(models, inputs, repeats)
+
+        config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+                              max_trials=8, storage=storage, study_name=timing, trial_timing=timing)
+        result = autotune(wide_model(), config, eval_fn, INPUTS, measurer=Counting(["0.0", "1.0", "2.0"]))
+        runs[timing] = result, timed
+    measured, predicted = runs["measured"][0], runs["predicted"][0]
+    trials = evaluated_trials(predicted.study)
+    passing = [t for t in trials if t.user_attrs["passed"]]
+    assert passing and not any(t.user_attrs["latency_measured"] for t in trials)
+    for trial in passing:   # HalfCostMeasurer's module costs: 1 per fp32 module, 0.5 per int8 one
+        lowered = sum(d == "int8" for d in trial.user_attrs["plan"].values())
+        assert trial.values[0] == pytest.approx((3 - 0.5 * lowered) / 3)
+    assert len(runs["predicted"][1]) < len(runs["measured"][1])     # what the trials timed, the finalists did not
+    assert len(runs["predicted"][1]) <= len(runs["measured"][1]) - len(passing)
+    assert predicted.plan == measured.plan and predicted.plan["1.0"] == "fp32"
+    assert predicted.speedup == pytest.approx(measured.speedup)      # the winner itself is timed either way
+
+
+def test_trial_timing_takes_measured_or_predicted_only():
+    with pytest.raises(ValueError, match="trial_timing"):
+        TuningConfig(trial_timing="sometimes")

@@ -168,7 +168,8 @@ def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
 
 
 def _ratio(trial: optuna.trial.FrozenTrial) -> str:
-    """The trial's latency ratio; `~` marks one predicted from module costs (a failing plan is not timed)."""
+    """The trial's latency ratio; `~` marks one predicted from module costs (a failing plan's, or every plan's
+    with trial_timing: predicted)."""
     predicted = trial.user_attrs.get("latency_measured") is False
     return _fmt(trial.values[0] if trial.values else None, "~{:.3f}" if predicted else "{:.3f}")
 

@@ -187,6 +187,10 @@ class TuningConfig(ConfigModel):
     num_threads: int | None = Field(None, ge=1, description="threads while measuring; default: torch's current")
     warmup: int = Field(3, ge=0)
     repeats: int = Field(15, ge=3, description="most timing rounds per comparison; fewer once it is settled")
+    trial_timing: Literal["measured", "predicted"] = Field(
+        "measured", description="a passing trial's latency: measured (the plan timed against fp32 in every trial) "
+                                "or predicted from the per-module costs, so that only the finalists are timed "
+                                "(far less measuring; close plans are then ranked by the prediction)")
     heartbeat_interval: int = Field(10, ge=1, description="seconds between a running trial's heartbeats")
     grace_period: int = Field(30, ge=2, description="a running trial this long without a heartbeat is marked "
                                                     "FAILED and its plan queued again")

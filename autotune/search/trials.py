@@ -184,7 +184,10 @@ class TrialRunner:
             log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
             raise TrialFailed(str(exc)) from exc
         loss = self.config.accuracy_loss(self.baseline, accuracy)
-        timed = loss <= self.config.tolerable_loss or self.config.objective != "latency"
+        # A failing plan cannot be chosen: its latency is predicted (with the latency objective, the sampler
+        # ranks failing plans by how far they miss); so is every plan's where only the finalists are timed.
+        timed = self.config.objective != "latency" or (loss <= self.config.tolerable_loss
+                                                        and self.config.trial_timing == "measured")
         ratio = self._timed_ratio(trial, tuned) if timed else self._predicted_ratio(trial)
         if not timed:   # a trial re-queued after a crash arrives with its stale trial's timings
             for name in ("latency_ms", "latency_spread_ms", "fp32_latency_ms", "latency_by_shape"):
@@ -220,8 +223,7 @@ class TrialRunner:
         return weighted_ratio(ratios, self.shapes)
 
     def _predicted_ratio(self, trial: optuna.Trial) -> float:
-        """A failing plan's latency ratio as its module costs predict it: no time is spent timing a plan that
-        cannot be chosen (with the latency objective, the sampler ranks failing plans by how far they miss)."""
+        """The plan's latency ratio as its module costs predict it."""
         fp32 = {unit: "fp32" for unit in self.space.choices}
         return self.space.predicted_ms(trial.params) / self.space.predicted_ms(fp32)
 
