@@ -163,19 +163,21 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
             net(INPUTS[:4])
         return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
 
+    class Counting(HalfCostMeasurer):
+        def __init__(self):
+            super().__init__(["0.0", "1.0", "2.0"])
+            self.timed = []
+
+        def latency(self, models, inputs, repeats):
+            self.timed.extend(name for name in models if name != "fp32")
+            return super().latency(models, inputs, repeats)
+
     runs = {}
     for timing in ("measured", "predicted"):
-        timed = []
-
-        class Counting(HalfCostMeasurer):
-            def latency(self, models, inputs, repeats):
-                timed.extend(name for name in models if name != "fp32")
-                return super().latency(models, inputs, repeats)
-
         config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                               max_trials=8, storage=storage, study_name=timing, trial_timing=timing)
-        result = autotune(wide_model(), config, eval_fn, INPUTS, measurer=Counting(["0.0", "1.0", "2.0"]))
-        runs[timing] = result, timed
+        measurer = Counting()
+        runs[timing] = autotune(wide_model(), config, eval_fn, INPUTS, measurer=measurer), measurer.timed
     measured, predicted = runs["measured"][0], runs["predicted"][0]
     trials = evaluated_trials(predicted.study)
     passing = [t for t in trials if t.user_attrs["passed"]]
