@@ -65,3 +65,35 @@ def test_weight_bytes_counts_parameters_and_buffers():
     model = nn.Sequential(nn.Linear(10, 5), nn.BatchNorm1d(5), nn.Linear(5, 3, bias=False).half())
     expected = (10 * 5 + 5) * 4 + (5 + 5 + 5 + 5) * 4 + 8 + 5 * 3 * 2  # BN: weight, bias, mean, var; int64 counter
     assert weight_bytes(model) == expected
+
+
+class _Counted(nn.Module):
+    """`inner`, counting its calls and sleeping `sleep_s` in each: a dtype emulated far slower than fp32."""
+
+    def __init__(self, inner, sleep_s, calls, dtype):
+        super().__init__()
+        self.inner, self.sleep_s, self.calls, self.dtype = inner, sleep_s, calls, dtype
+
+    def forward(self, x):
+        import time
+        self.calls[self.dtype] += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.inner(x)
+
+
+def test_a_dtype_many_times_slower_than_fp32_is_costed_from_one_call_not_timed_in_rounds(monkeypatch):
+    import collections
+
+    from autotune.measure import module_latency as per_module
+    calls = collections.Counter()
+    sleeps = {"fp32": 0.0, "int8": 0.0, "bf16": 0.02}
+    monkeypatch.setattr(per_module, "lower_module",
+                        lambda module, dtype, calibration: _Counted(module, sleeps[dtype], calls, dtype))
+    model = nn.Sequential(nn.Linear(64, 64))
+    timings = per_module.module_latency(model, {"0": ["int8", "bf16", "fp32"]}, {"0": ((torch.randn(8, 64),), {})},
+                                        repeats=15, num_threads=1)
+    assert timings["0"]["bf16"] >= 20.0 > 10 * timings["0"]["fp32"]
+    assert calls["bf16"] <= 3                      # Timer's two warm-up calls and one timed
+    assert calls["int8"] > 3 * MIN_ROUNDS          # the others are timed in interleaved rounds of blocks
+    assert timings["0"]["int8"] < 1.0

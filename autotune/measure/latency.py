@@ -125,6 +125,16 @@ def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], thre
             for name, model in models.items()}
 
 
+def warm_call_ms(models: dict[str, nn.Module], inputs: CallInputs, num_threads: int | None = None
+                 ) -> dict[str, float]:
+    """{name: ms of one call of each model after Timer's two warm-up calls}: a one-sample look, for telling
+    apart variants an order of magnitude apart before timing the rest in rounds."""
+    threads = num_threads or torch.get_num_threads()
+    timers = _timers(models, {name: inputs for name in models}, threads)
+    with fixed_threads(threads), torch.inference_mode():
+        return {name: timer.timeit(1).median * 1e3 for name, timer in timers.items()}
+
+
 def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
                     warmup: int = 3, repeats: int = 15, num_threads: int | None = None,
                     precision: float = PRECISION) -> dict[str, LatencyStats]:

@@ -9,20 +9,31 @@ from __future__ import annotations
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.measure.latency import measure_latency
+from autotune.measure.latency import measure_latency, warm_call_ms
 from autotune.plan import apply_plan, lower_module, uniform_plan
+
+HOPELESS_RATIO = 2.0   # a dtype this many times slower than fp32 on a module pays off nowhere: not timed in rounds
+HOPELESS_MIN_MS = 1.0  # ... judged from one call only where it takes this long: a shorter one is too noisy
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,
                    repeats: int, num_threads: int | None) -> dict[str, dict[str, float]]:
-    """{module: {dtype: median ms of the module alone on its recorded inputs}}, dtypes interleaved per module."""
+    """{module: {dtype: median ms of the module alone on its recorded inputs}}, dtypes interleaved per module.
+
+    A dtype whose first warm call already takes HOPELESS_RATIO x fp32's (emulated bf16 / fp16 on a CPU without
+    them runs 5-25x) keeps that one call as its cost: timing it in rounds cost most of the signals' time and changes
+    no verdict, since the search prunes any dtype slower than fp32."""
     timings: dict[str, dict[str, float]] = {}
     for name, dtypes in candidates.items():
         original = model.get_submodule(name)
         variants = {dtype: lower_module(original, dtype, calibration[name]) for dtype in dtypes}
-        stats = measure_latency(variants, calibration[name], warmup=2, repeats=repeats,
-                                num_threads=num_threads)
-        timings[name] = {dtype: s.median_ms for dtype, s in stats.items()}
+        first = warm_call_ms(variants, calibration[name], num_threads)
+        hopeless = {dtype: ms for dtype, ms in first.items()
+                    if dtype != "fp32" and ms >= max(HOPELESS_RATIO * first["fp32"], HOPELESS_MIN_MS)}
+        stats = measure_latency({d: v for d, v in variants.items() if d not in hopeless}, calibration[name],
+                                warmup=1, repeats=repeats, num_threads=num_threads)
+        timings[name] = {dtype: hopeless[dtype] if dtype in hopeless else stats[dtype].median_ms
+                         for dtype in dtypes}
     return timings
 
 

@@ -14,6 +14,7 @@ from autotune.clone import clone
 from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, Knob, get_engine
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
+from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
 from autotune.search.trials import TrialRunner, score_of
@@ -21,7 +22,6 @@ from autotune.storage import study as studies
 from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
-HOPELESS_RATIO = 2.0
 
 
 @dataclass
