@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp16", "fp32"]),
                           tolerable_loss=args.tolerable_loss, max_trials=args.max_trials,
-                          engines=args.engines.split(","),
+                          engines=args.engines.split(","), trial_timing="predicted",
                           study_name=args.study_name, **({"storage": args.storage} if args.storage else {}))
     result = autotune(model(), config, accuracy_eval(*digits(args.digits)))
     print(result.summary())
