@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from test_resume_kill import cli_env
 
 from autotune.plan import plan_key
-from autotune.storage.study import evaluated_trials, trial_plan
+from autotune.storage.study import evaluated_trials, get_attr, trial_plan
 
 MAX_TRIALS = 12
 
@@ -49,7 +49,9 @@ def test_workers_share_one_study_without_repeating_or_losing_a_plan(tmp_path, wo
     calls = [line.split() for line in log.read_text().splitlines()]
     pids = {pid for pid, _ in calls}
     lowered = collections.Counter(plan for _, plan in calls if "8" in plan)
-    # Each lowered plan is evaluated by one trial; the starting process re-evaluates the winner once more.
-    assert sum(lowered.values()) == len(evaluated) + 1, lowered
+    # Each lowered plan is evaluated by one trial; the starting process re-evaluates the winner once more, unless
+    # no finalist re-timed faster than fp32 (four workers share two cores here) and fp32 is kept unevaluated.
+    winner_lowered = any(dtype == "int8" for dtype in get_attr(study, "best")["plan"].values())
+    assert sum(lowered.values()) == len(evaluated) + winner_lowered, lowered
     assert sum(count - 1 for count in lowered.values()) <= 1
     assert len(pids) == workers, "every worker process ran eval_fn"
