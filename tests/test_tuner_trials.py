@@ -119,6 +119,13 @@ def test_the_collector_threshold_is_raised_during_tuning_and_restored_after_even
     assert gc.get_threshold() == before
 
 
+def layer1_int8_misses(net):
+    """An eval_fn: the model misses the tolerance where layer 1 is in int8."""
+    with torch.inference_mode():
+        net(INPUTS[:4])
+    return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
+
+
 def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicted(storage):
     from conftest import HalfCostMeasurer
 
@@ -133,14 +140,9 @@ def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicte
             timed_plans.extend(plan_of(m, self.names)["1.0"] for name, m in models.items() if name != "fp32")
             return super().latency(models, inputs, repeats)
 
-    def eval_fn(net):   # layer 1 in int8 misses the tolerance
-        with torch.inference_mode():
-            net(INPUTS[:4])
-        return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
-
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                           max_trials=8, storage=storage)
-    result = autotune(wide_model(), config, eval_fn, INPUTS, measurer=Recording(names))
+    result = autotune(wide_model(), config, layer1_int8_misses, INPUTS, measurer=Recording(names))
     trials = evaluated_trials(result.study)
     failing = [t for t in trials if not t.user_attrs["passed"]]
     assert failing and all(t.user_attrs["latency_measured"] is False for t in failing)
@@ -158,11 +160,6 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
 
     from autotune.storage.study import evaluated_trials
 
-    def eval_fn(net):   # layer 1 in int8 misses the tolerance
-        with torch.inference_mode():
-            net(INPUTS[:4])
-        return 0.5 if isinstance(net[1][0], DynamicInt8Linear) else 1.0
-
     class Counting(HalfCostMeasurer):
         def __init__(self):
             super().__init__(["0.0", "1.0", "2.0"])
@@ -177,7 +174,7 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
         config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                               max_trials=8, storage=storage, study_name=timing, trial_timing=timing)
         measurer = Counting()
-        runs[timing] = autotune(wide_model(), config, eval_fn, INPUTS, measurer=measurer), measurer.timed
+        runs[timing] = autotune(wide_model(), config, layer1_int8_misses, INPUTS, measurer=measurer), measurer.timed
     measured, predicted = runs["measured"][0], runs["predicted"][0]
     trials = evaluated_trials(predicted.study)
     passing = [t for t in trials if t.user_attrs["passed"]]

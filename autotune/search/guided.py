@@ -93,7 +93,7 @@ class GuidedSearch:
             return None
         return self._boundary(_End(space.predicted_noise(fastest), loss_of(fastest)), status, loss_of)
 
-    def _boundary(self, failing: _End, status: Callable[[Plan], Status], loss_of: LossOf) -> Plan | None:
+    def _boundary(self, failing: _End, status: StatusOf, loss_of: LossOf) -> Plan | None:
         """Searches the noise budget between the baseline (0, passes) and `failing` (the fastest plan's)."""
         positive = [self.space.sensitivity[u][d] ** 2 for u, options in self.space.choices.items()
                     for d in options if self.space.sensitivity[u][d] > 0]

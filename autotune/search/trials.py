@@ -75,6 +75,11 @@ class Outcome:
     def constraint(self) -> float:   # feasible when <= 0
         return self.loss - self.tolerable_loss
 
+    @property
+    def tolerances_lost(self) -> float | None:
+        """The loss over the tolerable loss (1 is the limit); None where no loss is tolerated."""
+        return self.loss / self.tolerable_loss if self.tolerable_loss > 0 else None
+
 
 def fail_stale_trials(study: optuna.Study, grace_period: float) -> None:
     """Marks trials of dead processes FAILED: those whose heartbeat stopped (Optuna's check; the retry callback
@@ -275,9 +280,7 @@ class TrialRunner:
     def tolerances_lost(self, unit_plan: Plan) -> float | None:
         """An evaluated plan's accuracy loss over the tolerable loss (1 is the limit), None where not known."""
         outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
-        if outcome is None or self.config.tolerable_loss <= 0:
-            return None
-        return outcome.loss / self.config.tolerable_loss
+        return None if outcome is None else outcome.tolerances_lost
 
     def turn(self, name: str) -> AbstractContextManager[None]:
         """Holds the study's lease `name` (one worker at a time) for a short step such as choosing a plan."""
