@@ -60,3 +60,22 @@ def test_autotune_with_the_sim_measurer_reaches_95_percent_of_the_oracle_within_
     share = sim.speedup(result.plan) / oracle.speedup
     assert sim.passes(result.plan)
     assert share >= 0.95, f"{share:.3f} of the oracle's {oracle.speedup:.3f}x"
+
+
+def test_a_queued_plan_waits_holding_its_params_and_runs_as_exactly_that_plan(tmp_path):
+    from optuna.trial import TrialState
+
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.storage.study import trial_plan
+    from autotune.tuner import start_runner
+    sim = SimWorkload(12, eval_cost_s=0)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+                          storage=f"sqlite:///{tmp_path}/sim.db", study_name="queued")
+    runner = start_runner(sim.model(), config, sim.eval_fn, sim.example_inputs(), sim.measurer())
+    plan = {unit: options[index % len(options)] for index, (unit, options) in enumerate(runner.space.choices.items())}
+    runner.queue(plan, "guided")
+    # Other workers read a waiting plan from its params: it is stored whole, before any worker runs it.
+    assert [t.params for t in runner.study.get_trials(states=(TrialState.WAITING,))] == [plan]
+    trial = runner.run_once()
+    assert trial.state == TrialState.COMPLETE and trial.params == plan and trial.user_attrs["source"] == "guided"
+    assert trial_plan(trial) == runner.space.expand(plan)

@@ -22,7 +22,8 @@ from typing import Any
 
 import optuna
 import torch
-from optuna.trial import FrozenTrial, TrialState
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
 from torch import nn
 
 from autotune.backends.base import CallInputs
@@ -266,7 +267,11 @@ class TrialRunner:
     def queue(self, unit_plan: Plan, source: str) -> None:
         """Queues `unit_plan` as a trial; until it ends, every worker's `status_of` sees it running."""
         key = plan_key(self.space.expand(unit_plan))
-        self.study.enqueue_trial(unit_plan, user_attrs={"source": source, studies.QUEUED_KEY_ATTR: key})
+        # Queued with its params set (as Optuna's heartbeat retry callback re-queues a trial), so the objective's
+        # suggest calls read them back: one storage write for the plan instead of one per unit.
+        distributions = {unit: CategoricalDistribution(self.space.choices[unit]) for unit in unit_plan}
+        self.study.add_trial(create_trial(state=TrialState.WAITING, params=unit_plan, distributions=distributions,
+                                          user_attrs={"source": source, studies.QUEUED_KEY_ATTR: key}))
 
     def status_of(self, unit_plan: Plan) -> Status:
         """What the study knows of `unit_plan`, as of this runner's last `refresh`."""
