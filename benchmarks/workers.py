@@ -31,10 +31,10 @@ def _config(url: str):
                         max_trials=MAX_TRIALS, storage=url, study_name="workers")
 
 
-def _worker(url: str, n: int, eval_s: float, start_at: float, calls) -> None:
+def _worker(url: str, n: int, eval_s: float, ready, calls) -> None:
     from autotune.tuner import search, start_runner
     sim = SimWorkload(n, tolerable_loss=TOLERANCE, eval_cost_s=eval_s)
-    time.sleep(max(0.0, start_at - time.time()))
+    ready.wait()      # every process has imported: all start together
 
     def counted(model):
         calls.append(time.time())
@@ -52,10 +52,12 @@ def run(url: str, workers: int, n: int, eval_s: float) -> dict:
     from autotune.tuner import finish, start_runner
     context = multiprocessing.get_context("spawn")
     calls = context.Manager().list()
-    start_at = time.time() + 5.0       # every process imports first, then all start together
-    procs = [context.Process(target=_worker, args=(url, n, eval_s, start_at, calls)) for _ in range(workers)]
+    ready = context.Barrier(workers + 1)
+    procs = [context.Process(target=_worker, args=(url, n, eval_s, ready, calls)) for _ in range(workers)]
     for proc in procs:
         proc.start()
+    ready.wait()
+    start_at = time.time()
     for proc in procs:
         proc.join()
     ended = time.time()

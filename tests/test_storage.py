@@ -206,3 +206,22 @@ def test_a_trial_whose_heartbeat_stopped_is_failed_after_the_grace_period_and_it
     queued = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
     assert len(queued) == 1 and queued[0].params == trials[dead.number].params
     assert queued[0].system_attrs.get("failed_trial") == dead.number    # RetryHeartbeatStaleTrialCallback's mark
+
+
+def test_trials_in_flight_outside_the_guided_phase_count_against_the_shared_patience(tmp_path):
+    from types import SimpleNamespace
+
+    from autotune.search.driver import Patience
+    from autotune.storage.study import view_trials
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp_path}/s.db"))
+    guided, sampled = study.ask(), study.ask()
+    guided.set_user_attr("source", "guided")       # the guided phase has no patience
+    study.enqueue_trial({"x": 1})                  # queued by the exhaustive phase or a crash: still to come
+    view = view_trials(study)
+    assert (view.waiting, view.unguided_in_flight) == (1, 2)
+    # One stale trial and two to come reach a patience of 3: a third worker starts nothing more.
+    assert Patience(3, SimpleNamespace(stale=1, unguided_in_flight=view.unguided_in_flight)).spent
+    study.tell(sampled, 1.0)
+    view = view_trials(study)
+    assert view.unguided_in_flight == 1
+    assert not Patience(3, SimpleNamespace(stale=1, unguided_in_flight=view.unguided_in_flight)).spent

@@ -41,13 +41,14 @@ class Budget:
 @dataclass
 class Patience:
     """Evaluated trials since the study's best passing plan last got faster, every worker's together
-    (storage.study.stale_trials), as of the runner's last read of the study."""
+    (storage.study.stale_trials), as of the runner's last read of the study. Trials other workers are running
+    count as stale already: most are, and k workers would otherwise start k - 1 trials past the patience."""
     limit: int
     runner: TrialRunner
 
     @property
     def spent(self) -> bool:
-        return self.runner.stale >= self.limit
+        return self.runner.stale + self.runner.unguided_in_flight >= self.limit
 
     def reason(self) -> str:
         return f"patience: {self.runner.stale} evaluated trials without a faster passing plan"

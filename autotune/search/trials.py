@@ -314,4 +314,5 @@ class TrialRunner:
         self.taken = view.taken
         self.evaluated = view.evaluated
         self.stale = view.stale
+        self.unguided_in_flight = view.unguided_in_flight
         return view
