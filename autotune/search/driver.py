@@ -78,8 +78,9 @@ def run_guided(runner: TrialRunner, budget: Budget) -> None:
     """The guided plans, shared by every worker of the study: each takes the next plan no one has taken."""
     search = GuidedSearch(runner.space)
     while budget.left(runner):
+        # A dead worker's plan is queued again before the turn: the turn is held only to choose and queue.
+        fail_stale_trials(runner.study, runner.config.grace_period)
         with runner.turn("guided"):     # one worker at a time chooses and queues, so no two take one plan
-            fail_stale_trials(runner.study, runner.config.grace_period)   # a dead worker's plan is queued again
             runner.refresh()
             plan = search.next_plan(runner.status_of, runner.tolerances_lost)
             if plan is not None:
