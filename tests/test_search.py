@@ -1,9 +1,14 @@
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from parallel_search import graded_space, replay  # noqa: E402
+
 from autotune.plan import plan_key
-from autotune.search.guided import GuidedSearch, Status
 from autotune.search.space import SearchSpace
 
 
@@ -75,23 +80,10 @@ def test_qkv_siblings_are_found_per_attention_block():
 
 
 def run_guided(s, passes, workers=1, loss=None):
-    """The guided search as `workers` workers run it, each plan taking one unit of time: the plans in the order
-    they were taken, and the time the last one ended. `loss` (in tolerances) is what the search is told of an
-    evaluated plan's accuracy; without it, only whether it passed."""
-    search, taken, status, running, clock = GuidedSearch(s), [], {}, [], 0
-    losses = {}
-    while True:
-        while len(running) < workers and (plan := search.next_plan(
-                lambda p: status.get(plan_key(p), Status.NEW), lambda p: losses.get(plan_key(p)))) is not None:
-            taken.append(plan)
-            status[plan_key(plan)] = Status.RUNNING
-            running.append((clock + 1, plan))
-        if not running:
-            return taken, clock
-        clock, plan = running.pop(0)      # the oldest ends first
-        status[plan_key(plan)] = Status.PASSED if passes(plan) else Status.FAILED
-        if loss is not None:
-            losses[plan_key(plan)] = loss(plan)
+    """The plans the guided search takes as `workers` workers run it (each evaluation one time unit), and the
+    time the last one ended."""
+    evaluations = replay(s, passes, workers, loss)
+    return [plan for _, plan in evaluations], max((end for end, _ in evaluations), default=0)
 
 
 def test_bisection_finds_the_passing_boundary_in_logarithmic_evaluations():
@@ -121,20 +113,6 @@ def test_workers_share_one_bisection_each_taking_a_plan_no_one_has_and_reach_the
         assert fastest_passing_ms(shared) <= fastest_passing_ms(alone)
         assert shared_time <= alone_time * {2: 0.85, 4: 0.5}[workers], (workers, shared_time, alone_time)
         assert len(shared) <= 2 * len(alone)         # speculation on outcomes still to come costs, boundedly
-
-
-def graded_space(n, seed):
-    """n modules of varied cost and int8 / bf16 noise: the boundary is a real mix of dtypes."""
-    import random
-    rng = random.Random(seed)
-    candidates = {f"m{i}": ["int8", "bf16", "fp32"] for i in range(n)}
-    latency, sensitivity = {}, {}
-    for name in candidates:
-        fp32 = rng.lognormvariate(0, 0.5)
-        latency[name] = {"fp32": fp32, "int8": fp32 * rng.uniform(0.3, 0.8), "bf16": fp32 * rng.uniform(0.55, 0.95)}
-        int8 = rng.lognormvariate(0, 1.6)
-        sensitivity[name] = {"fp32": 0.0, "int8": int8, "bf16": int8 * rng.uniform(0.1, 0.3)}
-    return SearchSpace.build(candidates, sensitivity, latency)
 
 
 @pytest.mark.parametrize("seed", range(3))
