@@ -74,9 +74,12 @@ class CompiledEngine:
     def runnable(self, built: nn.Module) -> nn.Module:
         return torch.compile(built)
 
+    # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
-        torch.export.save(export(built, inputs), path)
+        with open(path, "wb") as out:
+            torch.export.save(export(built, inputs), out)
         return "torch.compile(torch.export.load(path).module())"
 
     def load(self, path: str) -> nn.Module:
-        return torch.export.load(path).module()
+        with open(path, "rb") as saved:
+            return torch.export.load(saved).module()
