@@ -51,7 +51,9 @@ def run(workload: str, max_trials: int | None, trial_timing: str | None = None) 
             eval_s[0] += time.perf_counter() - started
 
     with tempfile.TemporaryDirectory() as folder:
-        tuning = config.tuning.model_copy(update={"storage": f"sqlite:///{folder}/cost.db"})
+        # A fresh compile cache too: finalists compiled by an earlier run would be read back, not compiled.
+        tuning = config.tuning.model_copy(update={"storage": f"sqlite:///{folder}/cost.db",
+                                                  "compile_cache": f"{folder}/compiled"})
         if max_trials:
             tuning.max_trials = max_trials
         if trial_timing:

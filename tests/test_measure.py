@@ -47,6 +47,16 @@ def test_a_variant_clearly_slower_than_the_fastest_stops_being_timed_the_referen
     assert still_racing({"fp32": [1.0] * rounds, "slow": [3.0] * rounds}) == ["fp32", "slow"]  # nothing to race
 
 
+def test_a_near_tie_within_the_precision_of_the_fastest_stops_being_timed_a_wide_contender_does_not():
+    rounds = 6
+    fastest = [0.52, 0.54, 0.53, 0.55, 0.52, 0.54]
+    twin = [t + 0.01 for t in fastest]     # overlaps the fastest's notch, but could beat it by under 3 % at most
+    wide = [0.45, 0.60, 0.50, 0.58, 0.47, 0.62]     # still as likely as not to be well ahead
+    samples = {"fp32": [1.0] * rounds, "twin": twin, "fastest": fastest, "wide": wide}
+    assert still_racing(samples) == ["fp32", "fastest", "wide"]
+    assert still_racing(samples, precision=0.0) == ["fp32", "twin", "fastest", "wide"]   # any gain is worth rounds
+
+
 def test_samples_feed_torch_benchmark_compare():
     stats = measure_latency({"fp32": nn.Linear(32, 32)}, ((torch.randn(8, 32),), {}), warmup=1, repeats=3,
                             num_threads=1)

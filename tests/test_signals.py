@@ -64,3 +64,36 @@ def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
     latency = module_latency.confirm_in_context(model(), agreeing, ALONE_MS, ((torch.randn(4, 8),), {}), {},
                                              warmup=1, repeats=3, num_threads=None)
     assert latency is ALONE_MS
+
+
+class _GivenLatency:
+    """Module latency as ALONE_MS gives it; records which dtypes sensitivity is asked for."""
+
+    def __init__(self):
+        self.asked = None
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return ALONE_MS
+
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        self.asked = candidates
+        return {name: {d: 0.0 if d == "fp32" else 0.01 for d in dtypes} for name, dtypes in candidates.items()}
+
+
+def test_the_error_of_a_dtype_timed_slower_than_fp32_on_a_module_is_not_measured(tmp_path):
+    import optuna
+
+    from autotune.measure.measurer import cached_signals
+    from autotune.measure.shapes import Shape
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    inputs = ((torch.randn(4, 8),), {})
+    calibration = {name: ((torch.randn(4, 8),), {}) for name in CANDIDATES}
+    measurer = _GivenLatency()
+    sensitivity, latency = cached_signals(study, measurer, model(), CANDIDATES, inputs, calibration,
+                                          [Shape("example", inputs, 1.0)])
+    assert measurer.asked == {"0": ["int8", "fp32"], "2": ["fp32"], "3": ["int8", "fp32"]}
+    assert "int8" not in sensitivity["2"] and "bf16" not in sensitivity["3"]      # not measured: absent
+    assert sensitivity["0"]["int8"] == 0.01 and study.user_attrs["autotune.sensitivity"] == sensitivity
+    # The search prunes those dtypes as it did when their errors were measured.
+    assert SearchSpace.build(CANDIDATES, sensitivity, latency).choices == {"0": ["int8", "fp32"], "2": ["fp32"],
+                                                                           "3": ["int8", "fp32"]}

@@ -108,15 +108,18 @@ def settled(samples: dict[str, list[float]], precision: float = PRECISION) -> bo
                for name, (low, median, high) in notches.items())
 
 
-def still_racing(samples: dict[str, list[float]]) -> list[str]:
-    """The variants worth more rounds: the first (every ratio is to it) and each whose ratio notch reaches below
-    the top of the fastest variant's; one clearly slower than the fastest can no longer come first."""
+def still_racing(samples: dict[str, list[float]], precision: float = PRECISION) -> list[str]:
+    """The variants worth more rounds: the first (every ratio is to it), the fastest, and each other whose ratio
+    notch still reaches more than `precision` below the fastest's median. One clearly slower than the fastest
+    can no longer come first; one known to be within `precision` of it (a near-tie) would win by too little to
+    matter, and settling which of the two is faster is what took most rounds."""
     names = list(samples)
     if len(names) <= 2 or len(samples[names[0]]) < MIN_ROUNDS:
         return names
     notches = _notches(samples)
-    best_high = min(notches[name][2] for name in names[1:])
-    return [names[0], *(name for name in names[1:] if notches[name][0] <= best_high)]
+    fastest = min(names[1:], key=lambda name: notches[name][1])
+    bar = min(notches[fastest][2], notches[fastest][1] * (1 - precision))
+    return [names[0], *(name for name in names[1:] if name == fastest or notches[name][0] < bar)]
 
 
 def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], threads: int) -> dict[str, benchmark.Timer]:
@@ -159,5 +162,5 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
             timed = {name: samples[name] for name in racing}
             if settled(timed, precision):
                 break
-            racing = still_racing(timed)
+            racing = still_racing(timed, precision)
     return {name: _stats(times) for name, times in samples.items()}

@@ -68,17 +68,23 @@ def ratios_to_fp32(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> d
 def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
                    inputs: CallInputs, calibration: dict[str, CallInputs],
                    shapes: list[Shape]) -> tuple[PerModule, PerModule]:
-    """The study's per-module signals, measured and stored on first use: sensitivity on the captured inputs,
-    latency at each shape (combined for the weighted objective; each shape's kept too)."""
+    """The study's per-module signals, measured and stored on first use: latency at each shape (combined for the
+    weighted objective; each shape's kept too), then sensitivity on the captured inputs.
+
+    Sensitivity is measured only for the dtypes a module may keep: one timed slower than fp32 on it is pruned from
+    the search whatever its error, so its error is not measured and is absent (SearchSpace.build prunes a dtype
+    without one). On a CPU that emulates bf16 / fp16 those are the slowest calls of all (each runs the model)."""
     sensitivity = studies.get_attr(study, "sensitivity")
     latency = studies.get_attr(study, "module_latency_ms")
     if sensitivity is None or latency is None:
-        sensitivity = measurer.sensitivity(fp32, candidates, inputs, calibration)
         per_shape = [measurer.module_latency(fp32, candidates, shape.inputs,
                                              calibration if shape.inputs is inputs else
                                              record_module_inputs(fp32, list(candidates), shape.inputs))
                      for shape in shapes]
         latency = combine_module_latency(per_shape, shapes)
+        kept = {name: [d for d in dtypes if latency[name][d] <= latency[name]["fp32"]]
+                for name, dtypes in candidates.items()}
+        sensitivity = measurer.sensitivity(fp32, kept, inputs, calibration)
         if len(shapes) > 1:
             studies.set_attr(study, "module_latency_ms_by_shape",
                              {shape.name: costs for shape, costs in zip(shapes, per_shape)})

@@ -61,15 +61,16 @@ class SearchSpace:
     @classmethod
     def build(cls, candidates: dict[str, list[str]], sensitivity: dict[str, dict[str, float]],
               latency_ms: dict[str, dict[str, float]], groups: list[list[str]] = ()) -> SearchSpace:
-        """Per unit: the dtypes every member takes, minus those measured slower than fp32 or with inf error;
+        """Per unit: the dtypes every member takes, minus those measured slower than fp32 or with inf (or no) error;
         fastest first, fp32 ahead of a dtype that costs the same."""
         units = units_of(candidates, list(groups))
         choices, unit_error, unit_ms = {}, {}, {}
         for unit, names in units.items():
             shared = [d for d in candidates[names[0]] if all(d in candidates[n] for n in names)]
             unit_ms[unit] = {d: sum(latency_ms[n][d] for n in names) for d in shared}
-            # Errors of members lowered together add in variance.
-            unit_error[unit] = {d: math.sqrt(sum(sensitivity[n][d] ** 2 for n in names)) for d in shared}
+            # Errors of members lowered together add in variance; one not measured (its dtype was timed slower
+            # than fp32 on that module: measurer.cached_signals) counts as unbounded.
+            unit_error[unit] = {d: math.sqrt(sum(sensitivity[n].get(d, math.inf) ** 2 for n in names)) for d in shared}
             # A cost equal to fp32's marks a dtype kept by the whole-model check (module_latency.confirm_in_context).
             kept = [d for d in shared if d == "fp32" or (unit_ms[unit][d] <= unit_ms[unit]["fp32"]
                                                          and math.isfinite(unit_error[unit][d]))]
