@@ -104,6 +104,22 @@ def test_a_dtype_many_times_slower_than_fp32_is_costed_from_one_call_not_timed_i
     timings = per_module.module_latency(model, {"0": ["int8", "bf16", "fp32"]}, {"0": ((torch.randn(8, 64),), {})},
                                         repeats=15, num_threads=1)
     assert timings["0"]["bf16"] >= 20.0 > 10 * timings["0"]["fp32"]
-    assert calls["bf16"] <= 3                      # Timer's two warm-up calls and one timed
+    assert calls["bf16"] <= 2                      # one warm-up call and one timed
     assert calls["int8"] > 3 * MIN_ROUNDS          # the others are timed in interleaved rounds of blocks
     assert timings["0"]["int8"] < 1.0
+
+
+def test_a_long_call_is_sampled_alone_a_short_one_after_a_warm_up_call_each_round(monkeypatch):
+    import collections
+
+    from autotune.measure import latency
+    calls = collections.Counter()
+    monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)
+    models = {"fp32": _Counted(nn.Identity(), 0.0, calls, "fp32"),
+              "slow": _Counted(nn.Identity(), 0.02, calls, "slow")}
+    stats = measure_latency(models, ((torch.randn(4, 4),), {}), warmup=2, repeats=4)
+    rounds = stats["slow"].repeats
+    assert rounds == stats["fp32"].repeats >= MIN_ROUNDS
+    assert calls["slow"] == 2 + rounds                # the warm-up calls, then one call per sample
+    assert calls["fp32"] >= 2 + rounds * 10           # blocks of ten or more calls, each after a warm-up call
+    assert 20.0 <= stats["slow"].median_ms < 40.0

@@ -3,14 +3,16 @@
 Variants compared are timed interleaved, one sample each per round in rotating order, so drift on a shared
 machine hits all of them alike. A sample is one `Timer.blocked_autorange`: a call that warms the variant up again
 after the others ran, then one timed call, or for a call shorter than BLOCK_S a block of ten or more timed as one
-(so the timer's own overhead stays small). Rounds stop once the comparison is settled (see `settled`) or
-after `repeats` rounds.
+(so the timer's own overhead stays small). A call of LONG_CALL_S or more is sampled as that one call alone: the
+caches another variant left behind are a small share of so long a call, and the warm-up call doubled the cost of
+every sample. Rounds stop once the comparison is settled (see `settled`) or after `repeats` rounds.
 """
 from __future__ import annotations
 
 import math
 import platform
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -26,6 +28,7 @@ from autotune.capture import call
 MIN_ROUNDS = 3
 PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds
 BLOCK_S = 1e-4        # seconds: calls shorter than this are timed in blocks
+LONG_CALL_S = 0.05    # seconds: calls this long are sampled without a warm-up call before each
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,26 @@ def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], thre
             for name, model in models.items()}
 
 
+def _clock() -> float:
+    """Seconds, after the accelerator's queued work (as Timer's own clock)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _timed_call_s(model: nn.Module, inputs: CallInputs) -> float:
+    started = _clock()
+    call(model, inputs)
+    return _clock() - started
+
+
 def warm_call_ms(models: dict[str, nn.Module], inputs: CallInputs, num_threads: int | None = None
                  ) -> dict[str, float]:
-    """{name: ms of one call of each model after Timer's two warm-up calls}: a one-sample look, for telling
-    apart variants an order of magnitude apart before timing the rest in rounds."""
+    """{name: ms of one call of each model after one warm-up call}: a one-sample look, for telling apart
+    variants an order of magnitude apart before timing the rest in rounds."""
     threads = num_threads or torch.get_num_threads()
-    timers = _timers(models, {name: inputs for name in models}, threads)
     with fixed_threads(threads), torch.inference_mode():
-        return {name: timer.timeit(1).median * 1e3 for name, timer in timers.items()}
+        return {name: (call(model, inputs), _timed_call_s(model, inputs))[1] * 1e3 for name, model in models.items()}
 
 
 def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
@@ -144,21 +159,27 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
     """Times every model on its inputs (one shared input, or one per model): at least MIN_ROUNDS and at most
     `repeats` interleaved rounds, fewer once `settled`; a model clearly slower than the fastest stops being
     timed (`still_racing`), the first one never. Returns per-call statistics of each model's samples.
-    Timer synchronises the accelerator (CUDA) around every block, so device work is timed to its end."""
+    Each model gets `warmup` calls first (at least one: the last is timed to tell long calls apart).
+    Timer synchronises the accelerator (CUDA) around every block, and so does the clock of long calls, so
+    device work is timed to its end."""
     per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
     threads = num_threads or torch.get_num_threads()
     timers = _timers(models, per_model, threads)
     names = list(models)
     samples: dict[str, list[float]] = {name: [] for name in names}
     with fixed_threads(threads), torch.inference_mode():
+        long_calls = set()
         for name in names:   # what a first call needs (compilation, lazy initialisation, caches)
-            for _ in range(warmup):
+            for _ in range(warmup - 1):
                 call(models[name], per_model[name])
+            if _timed_call_s(models[name], per_model[name]) >= LONG_CALL_S:   # the last warm-up call, timed
+                long_calls.add(name)
         racing = names
         for round_index in range(max(repeats, MIN_ROUNDS)):
             shift = round_index % len(racing)
             for name in racing[shift:] + racing[:shift]:
-                samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
+                samples[name].append(_timed_call_s(models[name], per_model[name]) if name in long_calls else
+                                     timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
             timed = {name: samples[name] for name in racing}
             if settled(timed, precision):
                 break
