@@ -213,7 +213,7 @@ def test_trials_in_flight_outside_the_guided_phase_count_against_the_shared_pati
 
     from autotune.search.driver import Patience
     from autotune.storage.study import view_trials
-    study = optuna.create_study(storage=open_storage(f"sqlite:///{tmp_path}/s.db"))
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
     guided, sampled = study.ask(), study.ask()
     guided.set_user_attr("source", "guided")       # the guided phase has no patience
     study.enqueue_trial({"x": 1})                  # queued by the exhaustive phase or a crash: still to come
