@@ -358,9 +358,20 @@ def parent(args) -> None:
                "apply_plan and the knapsack DP shown separately."]
     output = "\n".join(report)
     print(output)
-    (ROOT / "benchmarks" / ("results-quick.md" if args.quick else "results.md")).write_text(output + "\n")
+    write_search_section(ROOT / "benchmarks" / ("results-quick.md" if args.quick else "results.md"), output)
     (ROOT / "benchmarks" / ("results-quick.json" if args.quick else "results.json")).write_text(
         json.dumps(rows, indent=1, default=str))
+
+
+def write_search_section(results: Path, section: str) -> None:
+    """Writes this benchmark's section at the top of `results`, keeping the sections other benchmarks added below
+    it (each under a `## ` heading: workers, measuring cost, deployment)."""
+    kept = ""
+    if results.exists():
+        text = results.read_text()
+        start = text.find("\n## ")
+        kept = text[start:] if start >= 0 else ""
+    results.write_text(section + "\n" + kept)
 
 
 def rejudge(results: Path) -> None:

@@ -79,3 +79,16 @@ def test_a_queued_plan_waits_holding_its_params_and_runs_as_exactly_that_plan(tm
     trial = runner.run_once()
     assert trial.state == TrialState.COMPLETE and trial.params == plan and trial.user_attrs["source"] == "guided"
     assert trial_plan(trial) == runner.space.expand(plan)
+
+
+def test_the_search_benchmark_rewrites_its_own_section_of_the_results_and_keeps_the_others(tmp_path):
+    from harness import write_search_section
+    results = tmp_path / "results.md"
+    results.write_text("# Search-strategy benchmark\n\nold table\n\n## Workers\n\nkept\n\n## Deployment\n\nkept too\n")
+    write_search_section(results, "# Search-strategy benchmark\n\nnew table\n")
+    text = results.read_text()
+    assert "new table" in text and "old table" not in text
+    assert text.index("new table") < text.index("## Workers\n\nkept\n") < text.index("## Deployment\n\nkept too")
+    first = tmp_path / "first.md"
+    write_search_section(first, "# Search-strategy benchmark\n")      # no file yet: just the section
+    assert first.read_text() == "# Search-strategy benchmark\n\n"
