@@ -10,7 +10,6 @@ the search (tests/test_search.py) replay it the same way.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import random
 import statistics
 from collections.abc import Callable
@@ -66,8 +65,7 @@ def time_to_best(space: SearchSpace, evaluations: list[tuple[int, Plan]], passes
 
 def _noise(plan: Plan, sigma: float) -> float:
     """A fixed multiplicative error per plan (lognormal, sigma): losses the noise budget does not predict."""
-    share = int(hashlib.sha256(plan_key(plan).encode()).hexdigest()[:12], 16) / 16 ** 12
-    return 2.718281828 ** (sigma * statistics.NormalDist().inv_cdf(min(max(share, 1e-9), 1 - 1e-9)))
+    return random.Random(plan_key(plan)).lognormvariate(0.0, sigma)   # seeded by the plan: the same every run
 
 
 def cases():
