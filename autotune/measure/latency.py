@@ -4,8 +4,8 @@ Variants compared are timed interleaved, one sample each per round in rotating o
 machine hits all of them alike. A sample is one `Timer.blocked_autorange`: a call that warms the variant up again
 after the others ran, then one timed call, or for a call shorter than BLOCK_S a block of ten or more timed as one
 (so the timer's own overhead stays small). A call of LONG_CALL_S or more is sampled as that one call alone: the
-caches another variant left behind are a small share of so long a call, and the warm-up call doubled the cost of
-every sample. Rounds stop once the comparison is settled (see `settled`) or after `repeats` rounds.
+caches another variant left behind are a small share of so long a call (re-reading even a few MB of weights takes
+a fraction of a millisecond), and the warm-up call doubled the cost of every sample. Rounds stop once the comparison is settled (see `settled`) or after `repeats` rounds.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from autotune.capture import call
 MIN_ROUNDS = 3
 PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds
 BLOCK_S = 1e-4        # seconds: calls shorter than this are timed in blocks
-LONG_CALL_S = 0.05    # seconds: calls this long are sampled without a warm-up call before each
+LONG_CALL_S = 0.01    # seconds: calls this long are sampled without a warm-up call before each
 
 
 @dataclass(frozen=True)
