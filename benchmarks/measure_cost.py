@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = {"mnist": "configs/mnist.yaml", "minilm": "configs/minilm_sentiment.yaml"}
+from harness import SHIPPED_CONFIGS as CONFIGS
 
 
 class TimedMeasurer:
