@@ -156,7 +156,7 @@ class SimMeasurer:
                        for d in dtypes}
                 for name, dtypes in candidates.items()}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         out = {}
         for name, model in models.items():
             true = self.sim.latency_ms(plan_of(model))

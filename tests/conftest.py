@@ -123,7 +123,7 @@ class HalfCostMeasurer:
     def module_latency(self, fp32, candidates, inputs, calibration):
         return {name: {d: 1.0 if d == "fp32" else 0.5 for d in dtypes} for name, dtypes in candidates.items()}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         from autotune.measure import LatencyStats
         from autotune.plan import plan_of
 

@@ -74,7 +74,7 @@ class CompiledIsFaster(HalfCostMeasurer):
     """Per-module signals that favour int8, and whole-model timings in which a compiled model runs at 0.4 of
     fp32 and an eager lowered one at 0.7 (no real timing: the tests are about which engine is kept)."""
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
             if name == "fp32":
                 return 10.0
@@ -148,7 +148,7 @@ class CompiledFp32IsFastest(HalfCostMeasurer):
     """torch.compile of the fp32 model runs at half of fp32 eager; a compiled lowered plan at 0.8, an eager
     lowered one at 0.9 (no real timing: the test is about which finalist is kept)."""
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         from autotune.plan import plan_of
 
         def ms(name, model):   # a compiled finalist is named after its plan: "fp32 (inductor)" or "trial N (...)"
@@ -206,7 +206,7 @@ class Int8PaysOnlyCompiled(HalfCostMeasurer):
     def module_latency(self, fp32, candidates, inputs, calibration):
         return {n: {"int8": 1.5, "bf16": 0.8, "fp32": 1.0} for n in candidates}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
             return 3.0 if type(model).__name__ == "OptimizedModule" else 10.0 if name == "fp32" else 8.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}

@@ -69,7 +69,7 @@ def test_fold_bn_raises_on_a_model_it_cannot_trace():
 class FoldedIsFaster(HalfCostMeasurer):
     """A model without BatchNorm (folded) runs at 0.4 of fp32; lowered ones at 0.7 (no real timing)."""
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
             if name == "fp32":
                 return 10.0
@@ -231,7 +231,7 @@ def runs_under_autocast(model: nn.Module, inputs) -> bool:
 class AutocastIsFaster(HalfCostMeasurer):
     """A model running under autocast at 0.4 of fp32, other lowered ones at 0.7 (no real timing)."""
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
             return 10.0 if name == "fp32" else 4.0 if runs_under_autocast(model, inputs) else 7.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}

@@ -57,7 +57,7 @@ def test_saved_and_loaded_it_runs_the_same_and_compiled_it_agrees(tmp_path):
 class LowpIsFastest(HalfCostMeasurer):
     """Whole-model timings in which a compiled model runs at 0.3 of fp32, an eager lowered one at 0.8."""
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
             return 10.0 if name == "fp32" else 3.0 if type(model).__name__ == "OptimizedModule" else 8.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}

@@ -123,3 +123,18 @@ def test_a_long_call_is_sampled_alone_a_short_one_after_a_warm_up_call_each_roun
     assert calls["slow"] == 2 + rounds                # the warm-up calls, then one call per sample
     assert calls["fp32"] >= 2 + rounds * 10           # blocks of ten or more calls, each after a warm-up call
     assert 20.0 <= stats["slow"].median_ms < 40.0
+
+
+def test_the_device_measurer_warms_models_up_as_configured_unless_told_they_are_warm(monkeypatch):
+    import collections
+
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.measure import latency
+    from autotune.measure.measurer import DeviceMeasurer
+    monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)   # every sample below is one call
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), warmup=4, repeats=3)
+    for warmup, expected in ((None, 4), (1, 1)):
+        calls = collections.Counter()
+        models = {name: _Counted(nn.Identity(), 0.015, calls, name) for name in ("fp32", "plan")}
+        stats = DeviceMeasurer(config).latency(models, ((torch.randn(2, 2),), {}), 3, warmup)
+        assert all(calls[name] == expected + stats[name].repeats for name in models), (warmup, calls)

@@ -47,7 +47,7 @@ class ScriptedMeasurer:
     def module_latency(self, fp32, candidates, inputs, calibration):
         return {n: {d: MODULE_COST[d] * FP32_MS / len(NAMES) for d in ds} for n, ds in candidates.items()}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         self.calls += 1
         drift = 1.0 + 0.03 * (self.calls % 4)   # the host's speed moves between trials, fp32 with it
 

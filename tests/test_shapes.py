@@ -32,7 +32,7 @@ class ShapeCostMeasurer:
         batch = inputs[0][0].shape[0]
         return {name: {d: cost_ms(d, batch) for d in dtypes} for name, dtypes in candidates.items()}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         batch = inputs[0][0].shape[0]
         return {name: LatencyStats(sum(cost_ms(d, batch) for d in plan_of(model, NAMES).values()), 0.0, repeats)
                 for name, model in models.items()}

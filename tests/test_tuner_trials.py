@@ -136,7 +136,7 @@ def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicte
     timed_plans = []
 
     class Recording(HalfCostMeasurer):
-        def latency(self, models, inputs, repeats):
+        def latency(self, models, inputs, repeats, warmup=None):
             timed_plans.extend(plan_of(m, self.names)["1.0"] for name, m in models.items() if name != "fp32")
             return super().latency(models, inputs, repeats)
 
@@ -165,7 +165,7 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
             super().__init__(["0.0", "1.0", "2.0"])
             self.timed = []
 
-        def latency(self, models, inputs, repeats):
+        def latency(self, models, inputs, repeats, warmup=None):
             self.timed.extend(name for name in models if name != "fp32")
             return super().latency(models, inputs, repeats)
 

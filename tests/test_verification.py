@@ -33,7 +33,7 @@ class ScriptedMeasurer:
     def module_latency(self, fp32, candidates, inputs, calibration):
         return {"0": {"int8": 0.5, "fp32": 1.0}, "1": {"int8": 0.5, "fp32": 1.0}, "2": {"int8": 1.0, "fp32": 1.0}}
 
-    def latency(self, models, inputs, repeats):
+    def latency(self, models, inputs, repeats, warmup=None):
         ratios = TRIAL_RATIO if len(models) == 2 else VERIFY_RATIO   # a trial times its plan against fp32 alone
         return {name: LatencyStats(FP32_MS * ratios[plan_key(plan_of(model, NAMES))], 0.0, repeats)
                 for name, model in models.items()}

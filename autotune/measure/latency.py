@@ -5,7 +5,8 @@ machine hits all of them alike. A sample is one `Timer.blocked_autorange`: a cal
 after the others ran, then one timed call, or for a call shorter than BLOCK_S a block of ten or more timed as one
 (so the timer's own overhead stays small). A call of LONG_CALL_S or more is sampled as that one call alone: the
 caches another variant left behind are a small share of so long a call (re-reading even a few MB of weights takes
-a fraction of a millisecond), and the warm-up call doubled the cost of every sample. Rounds stop once the comparison is settled (see `settled`) or after `repeats` rounds.
+a fraction of a millisecond), and the warm-up call doubled the cost of every sample. Rounds stop once the
+comparison is settled (see `settled`) or after `repeats` rounds.
 """
 from __future__ import annotations
 

@@ -32,8 +32,10 @@ class Measurer(Protocol):
         """{module: {dtype: latency ms}} with one module lowered at a time, at the shape of `inputs` (each
         module called with what it sees in `calibration`, recorded from them)."""
 
-    def latency(self, models: dict[str, nn.Module], inputs: CallInputs, repeats: int) -> dict[str, LatencyStats]:
-        """Each model's latency, all timed in one interleaved run so they compare as ratios."""
+    def latency(self, models: dict[str, nn.Module], inputs: CallInputs, repeats: int,
+                warmup: int | None = None) -> dict[str, LatencyStats]:
+        """Each model's latency, all timed in one interleaved run so they compare as ratios, after `warmup` calls
+        each (None: the configured warm-up; fewer for models already called at these inputs)."""
 
 
 @dataclass(frozen=True)
@@ -49,15 +51,15 @@ class DeviceMeasurer:
         return per_module.confirm_in_context(fp32, candidates, latency, inputs, calibration,
                                              warmup=self.config.warmup, **timing)
 
-    def latency(self, models, inputs, repeats):
-        return measure_latency(models, inputs, warmup=self.config.warmup, repeats=repeats,
-                               num_threads=self.config.num_threads)
+    def latency(self, models, inputs, repeats, warmup=None):
+        return measure_latency(models, inputs, warmup=self.config.warmup if warmup is None else warmup,
+                               repeats=repeats, num_threads=self.config.num_threads)
 
 
 def latency_by_shape(measurer: Measurer, models: dict[str, nn.Module], shapes: list[Shape],
-                     repeats: int) -> dict[str, dict[str, LatencyStats]]:
+                     repeats: int, warmup: int | None = None) -> dict[str, dict[str, LatencyStats]]:
     """{shape: {model: latency}}: the models timed against each other at each shape in turn."""
-    return {shape.name: measurer.latency(models, shape.inputs, repeats) for shape in shapes}
+    return {shape.name: measurer.latency(models, shape.inputs, repeats, warmup) for shape in shapes}
 
 
 def ratios_to_fp32(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, float]:
