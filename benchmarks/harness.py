@@ -304,7 +304,7 @@ def targets(rows: list[dict]) -> list[str]:
         if "speedup" in row:
             by_workload.setdefault(row["workload"], []).append(row)
     for workload, results in by_workload.items():
-        ours = next(r for r in results if r["method"].startswith("autotune"))
+        ours = next(r for r in results if r["method"].startswith("autotune") and not r["method"].startswith(AS_SHIPPED))
         product = next((r for r in results if r["method"].startswith(AS_SHIPPED)), ours)
         real = workload in REAL
         if results[0]["reference"] == "oracle":
