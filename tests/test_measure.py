@@ -78,35 +78,58 @@ def test_weight_bytes_counts_parameters_and_buffers():
 
 
 class _Counted(nn.Module):
-    """`inner`, counting its calls and sleeping `sleep_s` in each: a dtype emulated far slower than fp32."""
+    """`inner`, counting its calls and sleeping `sleep_s` in each (a dtype emulated far slower than fp32), and
+    `first_s` more in the first call of every `_Counted` of its dtype (what a dtype's first use initialises)."""
 
-    def __init__(self, inner, sleep_s, calls, dtype):
+    started: set[str] = set()
+
+    def __init__(self, inner, sleep_s, calls, dtype, first_s=0.0):
         super().__init__()
-        self.inner, self.sleep_s, self.calls, self.dtype = inner, sleep_s, calls, dtype
+        self.inner, self.sleep_s, self.calls, self.dtype, self.first_s = inner, sleep_s, calls, dtype, first_s
 
     def forward(self, x):
         import time
         self.calls[self.dtype] += 1
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
+        time.sleep(self.sleep_s + (self.first_s if self.dtype not in self.started else 0.0))
+        self.started.add(self.dtype)
         return self.inner(x)
 
 
-def test_a_dtype_many_times_slower_than_fp32_is_costed_from_one_call_not_timed_in_rounds(monkeypatch):
+def _module_latency(monkeypatch, sleeps: dict[str, float], first_s: dict[str, float], modules: int = 1):
+    """module_latency on `modules` Linear layers whose dtypes sleep as given; returns (timings, calls per dtype)."""
     import collections
 
     from autotune.measure import module_latency as per_module
     calls = collections.Counter()
-    sleeps = {"fp32": 0.0, "int8": 0.0, "bf16": 0.02}
-    monkeypatch.setattr(per_module, "lower_module",
-                        lambda module, dtype, calibration: _Counted(module, sleeps[dtype], calls, dtype))
-    model = nn.Sequential(nn.Linear(64, 64))
-    timings = per_module.module_latency(model, {"0": ["int8", "bf16", "fp32"]}, {"0": ((torch.randn(8, 64),), {})},
-                                        repeats=15, num_threads=1)
-    assert timings["0"]["bf16"] >= 20.0 > 10 * timings["0"]["fp32"]
-    assert calls["bf16"] <= 2                      # one warm-up call and one timed
-    assert calls["int8"] > 3 * MIN_ROUNDS          # the others are timed in interleaved rounds of blocks
-    assert timings["0"]["int8"] < 1.0
+    monkeypatch.setattr(_Counted, "started", set())
+    monkeypatch.setattr(per_module, "lower_module", lambda module, dtype, calibration: _Counted(
+        module, sleeps[dtype], calls, dtype, first_s.get(dtype, 0.0)))
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(modules)))
+    candidates = {str(index): list(sleeps) for index in range(modules)}
+    calibration = {name: ((torch.randn(8, 64),), {}) for name in candidates}
+    return per_module.module_latency(model, candidates, calibration, repeats=15, num_threads=1), calls
+
+
+def test_a_dtype_many_times_slower_than_fp32_is_costed_from_one_or_two_calls_not_timed_in_rounds(monkeypatch):
+    timings, calls = _module_latency(monkeypatch, {"int8": 0.0, "bf16": 0.03, "fp32": 0.0}, {}, modules=2)
+    assert all(timings[name]["bf16"] >= 30.0 > 10 * timings[name]["fp32"] for name in timings)
+    # The first module: a first call and a warm one. The second: bf16 has run before, and its first call alone
+    # is far past fp32's.
+    assert calls["bf16"] == 2 + 1
+    assert calls["int8"] > 2 * 3 * MIN_ROUNDS      # the others are timed in interleaved rounds of blocks
+    assert all(timings[name]["int8"] < 1.0 for name in timings)
+
+
+def test_a_slow_first_use_of_a_dtype_does_not_prune_it(monkeypatch):
+    timings, calls = _module_latency(monkeypatch, {"int8": 0.0, "fp32": 0.0}, {"int8": 0.05})
+    assert timings["0"]["int8"] < 1.0              # timed in rounds once warm: its cost, not the first call's
+    assert calls["int8"] > 3 * MIN_ROUNDS
+
+
+def test_a_dtype_twice_as_slow_as_fp32_when_warm_is_costed_from_its_warm_call(monkeypatch):
+    timings, calls = _module_latency(monkeypatch, {"int8": 0.006, "fp32": 0.002}, {}, modules=2)
+    assert calls["int8"] == 2 + 2                   # a first and a warm call per module: the first is not 8x fp32's
+    assert all(6.0 <= timings[name]["int8"] for name in timings)
 
 
 def test_a_long_call_is_sampled_alone_a_short_one_after_a_warm_up_call_each_round(monkeypatch):
@@ -133,8 +156,23 @@ def test_the_device_measurer_warms_models_up_as_configured_unless_told_they_are_
     from autotune.measure.measurer import DeviceMeasurer
     monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)   # every sample below is one call
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), warmup=4, repeats=3)
-    for warmup, expected in ((None, 4), (1, 1)):
+    for warmup, expected in ((None, 4), (1, 1), (0, 0)):
         calls = collections.Counter()
         models = {name: _Counted(nn.Identity(), 0.015, calls, name) for name in ("fp32", "plan")}
         stats = DeviceMeasurer(config).latency(models, ((torch.randn(2, 2),), {}), 3, warmup)
         assert all(calls[name] == expected + stats[name].repeats for name in models), (warmup, calls)
+
+
+def test_models_already_warm_are_told_long_or_short_by_their_first_sample(monkeypatch):
+    import collections
+
+    from autotune.measure import latency
+    calls = collections.Counter()
+    monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)
+    models = {"fp32": _Counted(nn.Identity(), 0.0, calls, "fp32"),
+              "slow": _Counted(nn.Identity(), 0.02, calls, "slow")}
+    stats = measure_latency(models, ((torch.randn(4, 4),), {}), warmup=0, repeats=4)
+    rounds = stats["slow"].repeats
+    assert calls["slow"] == rounds                   # no warm-up call: every sample one call
+    assert calls["fp32"] >= 1 + (rounds - 1) * 10    # one call first, then blocks of ten or more
+    assert 20.0 <= stats["slow"].median_ms < 40.0

@@ -145,17 +145,11 @@ def _timed_call_s(model: nn.Module, inputs: CallInputs) -> float:
     return _clock() - started
 
 
-def warm_call_ms(models: dict[str, nn.Module], inputs: CallInputs, num_threads: int | None = None
-                 ) -> dict[str, float]:
-    """{name: ms of one call of each model after one warm-up call}: a one-sample look, for telling apart
-    variants an order of magnitude apart before timing the rest in rounds."""
-    threads = num_threads or torch.get_num_threads()
-    first_ms = {}
-    with fixed_threads(threads), torch.inference_mode():
-        for name, model in models.items():
-            call(model, inputs)
-            first_ms[name] = _timed_call_s(model, inputs) * 1e3
-    return first_ms
+def timed_call_ms(model: nn.Module, inputs: CallInputs, num_threads: int | None = None) -> float:
+    """ms of one call of `model`: a one-sample look (a model's first call includes its one-time costs), for
+    telling apart variants an order of magnitude apart before timing the rest in rounds."""
+    with fixed_threads(num_threads or torch.get_num_threads()), torch.inference_mode():
+        return _timed_call_s(model, inputs) * 1e3
 
 
 def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str, CallInputs], *,
@@ -164,7 +158,8 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
     """Times every model on its inputs (one shared input, or one per model): at least MIN_ROUNDS and at most
     `repeats` interleaved rounds, fewer once `settled`; a model clearly slower than the fastest stops being
     timed (`still_racing`), the first one never. Returns per-call statistics of each model's samples.
-    Each model gets `warmup` calls first (at least one: the last is timed to tell long calls apart).
+    Each model gets `warmup` calls first, the last timed to tell long calls apart; with warmup=0 (models already
+    called at these inputs) none, and each model's first sample is one call, which tells them apart.
     Timer synchronises the accelerator (CUDA) around every block, and so does the clock of long calls, so
     device work is timed to its end."""
     per_model = inputs if isinstance(inputs, dict) else {name: inputs for name in models}
@@ -173,8 +168,9 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
     names = list(models)
     samples: dict[str, list[float]] = {name: [] for name in names}
     with fixed_threads(threads), torch.inference_mode():
-        long_calls = set()
-        for name in names:   # what a first call needs (compilation, lazy initialisation, caches)
+        long_calls: set[str] = set()
+        untold = set() if warmup else set(names)   # long or not, told by their first sample
+        for name in names if warmup else ():   # what a first call needs (compilation, lazy initialisation, caches)
             for _ in range(warmup - 1):
                 call(models[name], per_model[name])
             if _timed_call_s(models[name], per_model[name]) >= LONG_CALL_S:   # the last warm-up call, timed
@@ -183,8 +179,13 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
         for round_index in range(max(repeats, MIN_ROUNDS)):
             shift = round_index % len(racing)
             for name in racing[shift:] + racing[:shift]:
-                samples[name].append(_timed_call_s(models[name], per_model[name]) if name in long_calls else
-                                     timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
+                if name in long_calls or name in untold:   # an untold model's first sample is one call
+                    samples[name].append(_timed_call_s(models[name], per_model[name]))
+                    if name in untold and samples[name][-1] >= LONG_CALL_S:
+                        long_calls.add(name)
+                    untold.discard(name)
+                else:
+                    samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
             timed = {name: samples[name] for name in racing}
             if settled(timed, precision):
                 break

@@ -9,32 +9,51 @@ from __future__ import annotations
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.measure.latency import measure_latency, warm_call_ms
+from autotune.measure.latency import measure_latency, timed_call_ms
 from autotune.plan import apply_plan, lower_module, uniform_plan
 
 HOPELESS_RATIO = 2.0   # a dtype this many times slower than fp32 on a module pays off nowhere: not timed in rounds
 HOPELESS_MIN_MS = 1.0  # ... judged from one call only where it takes this long: a shorter one is too noisy
+# A module's first call carries one-time costs (kernel generation, weight packing: milliseconds), so it is judged
+# hopeless on its own only far past the bar, where it takes far longer than such costs, and where the dtype has run
+# on an earlier module (what a dtype's first use in the process initialises is paid there).
+FIRST_CALL_HOPELESS_RATIO = 4 * HOPELESS_RATIO   # times fp32's first call
+FIRST_CALL_HOPELESS_MIN_MS = 20.0
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,
                    repeats: int, num_threads: int | None) -> dict[str, dict[str, float]]:
     """{module: {dtype: median ms of the module alone on its recorded inputs}}, dtypes interleaved per module.
 
-    A dtype whose first warm call already takes HOPELESS_RATIO x fp32's (emulated bf16 / fp16 on a CPU without
-    them runs 5-25x) keeps that one call as its cost: timing it in rounds cost most of the signals' time and changes
-    no verdict, since the search prunes any dtype slower than fp32."""
+    A dtype whose second (warm) call takes HOPELESS_RATIO x fp32's (emulated bf16 / fp16 on a CPU without them
+    runs 5-25x), or whose first call already takes FIRST_CALL_HOPELESS_RATIO x fp32's first, keeps that call as
+    its cost: timing it in rounds, or even calling it again, cost most of the signals' time and changes no
+    verdict, since the search prunes any dtype slower than fp32."""
     timings: dict[str, dict[str, float]] = {}
+    ran: set[str] = set()   # dtypes called on an earlier module
     for name, dtypes in candidates.items():
-        original = model.get_submodule(name)
-        variants = {dtype: lower_module(original, dtype, calibration[name]) for dtype in dtypes}
-        first = warm_call_ms(variants, calibration[name], num_threads)
-        hopeless = {dtype: ms for dtype, ms in first.items()
-                    if dtype != "fp32" and ms >= max(HOPELESS_RATIO * first["fp32"], HOPELESS_MIN_MS)}
-        stats = measure_latency({d: v for d, v in variants.items() if d not in hopeless}, calibration[name],
-                                warmup=1, repeats=repeats, num_threads=num_threads)
+        original, inputs = model.get_submodule(name), calibration[name]
+        variants = {dtype: lower_module(original, dtype, inputs) for dtype in dtypes}
+        hopeless, first, warm = {}, {}, {}
+        for dtype in sorted(dtypes, key=lambda d: d != "fp32"):   # fp32 first: the bars are relative to it
+            first[dtype] = timed_call_ms(variants[dtype], inputs, num_threads)
+            if dtype in ran and _past(first, dtype, FIRST_CALL_HOPELESS_RATIO, FIRST_CALL_HOPELESS_MIN_MS):
+                hopeless[dtype] = first[dtype]
+                continue
+            warm[dtype] = timed_call_ms(variants[dtype], inputs, num_threads)
+            if _past(warm, dtype, HOPELESS_RATIO, HOPELESS_MIN_MS):
+                hopeless[dtype] = warm[dtype]
+        ran.update(dtypes)
+        stats = measure_latency({d: v for d, v in variants.items() if d not in hopeless}, inputs,
+                                warmup=0, repeats=repeats, num_threads=num_threads)
         timings[name] = {dtype: hopeless[dtype] if dtype in hopeless else stats[dtype].median_ms
                          for dtype in dtypes}
     return timings
+
+
+def _past(call_ms: dict[str, float], dtype: str, ratio: float, min_ms: float) -> bool:
+    """Whether `dtype`'s call took `ratio` times fp32's and at least `min_ms`."""
+    return dtype != "fp32" and call_ms[dtype] >= max(ratio * call_ms["fp32"], min_ms)
 
 
 def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]],
