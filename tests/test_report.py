@@ -35,11 +35,11 @@ def accuracy_of(plan: dict[str, str]) -> float:
 
 class ScriptedMeasurer:
     """Latency is a known function of the plan. A trial times its plan once against fp32 with a large, plan-dependent
-    error; the verification after the search (twice the repeats) times the true cost, so a plan's re-timed
+    error; the verification after the search (its models already warm: no warm-up) times the true cost, so a plan's re-timed
     speedup differs from its trial's, as on a noisy host."""
 
-    def __init__(self, repeats: int):
-        self.repeats, self.calls = repeats, 0
+    def __init__(self):
+        self.calls = 0
 
     def sensitivity(self, fp32, candidates, inputs, calibration):
         return {n: {d: 0.0 if d == "fp32" else PENALTY[n][d] / 3 for d in ds} for n, ds in candidates.items()}
@@ -54,7 +54,7 @@ class ScriptedMeasurer:
         def stats(model):
             plan = plan_of(model, NAMES)
             ratio = sum(MODULE_COST[d] for d in plan.values()) / len(NAMES)
-            if repeats == self.repeats and "int8" in plan.values():   # one noisy timing within a trial
+            if warmup is None and "int8" in plan.values():   # one noisy timing within a trial
                 ratio *= 1.0 + 0.25 * (int(plan_id(plan), 16) % 7) / 6
             return LatencyStats(FP32_MS * drift * ratio, 0.02 * FP32_MS * drift * ratio, repeats)
         return {name: stats(model) for name, model in models.items()}
@@ -75,7 +75,7 @@ def tuned_study(tmp_path: Path, settings: dict | None = None):
             raise ValueError("scripted evaluation failure")
         return accuracy_of(plan)
 
-    result = autotune(model, config, eval_fn, inputs, measurer=ScriptedMeasurer(config.repeats))
+    result = autotune(model, config, eval_fn, inputs, measurer=ScriptedMeasurer())
     if settings is not None:
         studies.set_attr(result.study, "settings", settings)
     return result

@@ -185,10 +185,13 @@ def verified_winner(runner: TrialRunner) -> Winner:
     config = runner.config
     candidates = finalists(runner)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
-    # Every finalist was called at every shape as it was built (_ready), fp32 through the whole search: one
-    # warm-up call each, the one that tells long calls apart, is enough.
-    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, 2 * config.repeats,
-                                warmup=1)
+    # Every finalist was called at every shape as it was built (_ready); fp32 is called at each here, so no model
+    # needs a warm-up call in the race.
+    with torch.inference_mode():
+        for shape in runner.shapes:
+            call(runner.fp32, shape.inputs)
+    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, config.repeats,
+                                warmup=0)
     ratio = {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes) for name in ["fp32", *models]}
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
