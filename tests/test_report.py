@@ -35,8 +35,8 @@ def accuracy_of(plan: dict[str, str]) -> float:
 
 class ScriptedMeasurer:
     """Latency is a known function of the plan. A trial times its plan once against fp32 with a large, plan-dependent
-    error; the verification after the search (its models already warm: no warm-up) times the true cost, so a plan's re-timed
-    speedup differs from its trial's, as on a noisy host."""
+    error; the verification after the search (its models already warm: no warm-up) times the true cost, so a plan's
+    re-timed speedup differs from its trial's, as on a noisy host."""
 
     def __init__(self):
         self.calls = 0
