@@ -132,7 +132,8 @@ def test_a_dtype_twice_as_slow_as_fp32_when_warm_is_costed_from_its_warm_call(mo
     assert all(6.0 <= timings[name]["int8"] for name in timings)
 
 
-def test_a_long_call_is_sampled_alone_a_short_one_after_a_warm_up_call_each_round(monkeypatch):
+@pytest.mark.parametrize("warmup", [2, 0])
+def test_a_long_call_is_sampled_alone_a_short_one_in_blocks_each_round(monkeypatch, warmup):
     import collections
 
     from autotune.measure import latency
@@ -140,11 +141,14 @@ def test_a_long_call_is_sampled_alone_a_short_one_after_a_warm_up_call_each_roun
     monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)
     models = {"fp32": _Counted(nn.Identity(), 0.0, calls, "fp32"),
               "slow": _Counted(nn.Identity(), 0.02, calls, "slow")}
-    stats = measure_latency(models, ((torch.randn(4, 4),), {}), warmup=2, repeats=4)
+    stats = measure_latency(models, ((torch.randn(4, 4),), {}), warmup=warmup, repeats=4)
     rounds = stats["slow"].repeats
     assert rounds == stats["fp32"].repeats >= MIN_ROUNDS
-    assert calls["slow"] == 2 + rounds                # the warm-up calls, then one call per sample
-    assert calls["fp32"] >= 2 + rounds * 10           # blocks of ten or more calls, each after a warm-up call
+    assert calls["slow"] == warmup + rounds           # the warm-up calls, then one call per sample
+    if warmup:   # each sample a block of ten or more calls after a warm-up call
+        assert calls["fp32"] >= warmup + rounds * 10
+    else:        # models already warm: the first sample is one call, which tells long calls apart
+        assert calls["fp32"] >= 1 + (rounds - 1) * 10
     assert 20.0 <= stats["slow"].median_ms < 40.0
 
 
@@ -161,18 +165,3 @@ def test_the_device_measurer_warms_models_up_as_configured_unless_told_they_are_
         models = {name: _Counted(nn.Identity(), 0.015, calls, name) for name in ("fp32", "plan")}
         stats = DeviceMeasurer(config).latency(models, ((torch.randn(2, 2),), {}), 3, warmup)
         assert all(calls[name] == expected + stats[name].repeats for name in models), (warmup, calls)
-
-
-def test_models_already_warm_are_told_long_or_short_by_their_first_sample(monkeypatch):
-    import collections
-
-    from autotune.measure import latency
-    calls = collections.Counter()
-    monkeypatch.setattr(latency, "LONG_CALL_S", 0.01)
-    models = {"fp32": _Counted(nn.Identity(), 0.0, calls, "fp32"),
-              "slow": _Counted(nn.Identity(), 0.02, calls, "slow")}
-    stats = measure_latency(models, ((torch.randn(4, 4),), {}), warmup=0, repeats=4)
-    rounds = stats["slow"].repeats
-    assert calls["slow"] == rounds                   # no warm-up call: every sample one call
-    assert calls["fp32"] >= 1 + (rounds - 1) * 10    # one call first, then blocks of ten or more
-    assert 20.0 <= stats["slow"].median_ms < 40.0
