@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -85,17 +86,31 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _positional(model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The example inputs as the positional tuple INC's export takes: keyword inputs (a transformers batch) bound
+    to the model's forward parameters in order, as an INC user would pass `example_inputs=(input_ids, mask)`."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"the example inputs do not fit the model's forward: {exc}") from exc
+    if bound.kwargs:
+        raise ValueError(f"INC's int8 path (torch.export) takes positional inputs only; {sorted(bound.kwargs)} "
+                         "cannot be passed by position")
+    return bound.args
+
+
 def _export(model: nn.Module, args: tuple, log: list[str]):
-    """INC's export (torch.export), batch dimension dynamic when it can be, else the example's shapes."""
+    """INC's export (torch.export), every dimension free where the model allows it (eval batches differ in size,
+    token batches in length too), else the example's shapes."""
     from neural_compressor.torch.export import export
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if tensors and len(tensors) == len(args) and all(t.dim() > 0 and t.shape[0] > 1 for t in tensors):
-        batch = torch.export.Dim("batch")
+    if tensors and len(tensors) == len(args):
+        dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
         try:
-            return export(copy.deepcopy(model), args, dynamic_shapes=tuple({0: batch} for _ in args))
+            return export(copy.deepcopy(model), args, dynamic_shapes=dims)
         except Exception as exc:  # noqa: BLE001 - retried with static shapes
-            log.append(f"export with a dynamic batch dimension failed ({_short(exc)}); exported with static shapes")
+            log.append(f"export with free dimensions failed ({_short(exc)}); exported with static shapes")
     return export(copy.deepcopy(model), args)
 
 
@@ -191,8 +206,7 @@ def _int8_stage(inc_q, inc_at, work, args, kwargs, counted_eval, scores, notes, 
     a failure is noted and the mixed-precision run goes on with the trials left instead of ending the whole run."""
     first = len(scores)
     try:
-        if kwargs:
-            raise ValueError("INC's int8 path (torch.export) takes positional example inputs only")
+        args = _positional(work, args, kwargs)
         exported = _export(work, args, notes)
         int8_set = [inc_q.StaticQuantConfig.get_config_set_for_tuning(),
                     inc_q.DynamicQuantConfig.get_config_set_for_tuning()]
