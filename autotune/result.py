@@ -28,7 +28,7 @@ class ShapeLatency:
 
     @property
     def speedup(self) -> float:
-        return self.fp32.median_ms / self.best.median_ms
+        return 1.0 / self.best.ratio_to(self.fp32)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TuningResult:
     def speedup(self) -> float:
         """fp32 latency / tuned latency; with several shapes, 1 / the weighted mean of their latency ratios."""
         if not self.shapes:
-            return self.baseline.latency.median_ms / self.best.latency.median_ms
+            return 1.0 / self.best.latency.ratio_to(self.baseline.latency)
         return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)
 
     def summary(self) -> str:

@@ -105,7 +105,7 @@ def table(workload, description, found, baseline, scores, timing) -> str:
     shapes = list(timing)
 
     def speedup(name: str, shape: str) -> float:
-        return timing[shape]["fp32 eager"].median_ms / timing[shape][name].median_ms
+        return 1.0 / timing[shape][name].ratio_to(timing[shape]["fp32 eager"])
 
     def both(name: str) -> float:   # the equal-weight objective over the shapes, as a speedup
         return len(shapes) / sum(1 / speedup(name, s) for s in shapes)
@@ -125,7 +125,7 @@ def table(workload, description, found, baseline, scores, timing) -> str:
         cells = []
         for s in shapes:
             fp32, t = timing[s]["fp32 eager"], timing[s][c.name]
-            cells.append(f"{fp32.median_ms / t.median_ms:.2f}x (±{t.spread_ms / t.median_ms:.0%})")
+            cells.append(f"{1.0 / t.ratio_to(fp32):.2f}x (±{t.spread_ms / t.median_ms:.0%})")
         lines.append(f"| {c.name} | {scores[c.name]:.4f} ({loss:+.2%}) | {'yes' if loss <= TOLERANCE else 'NO'} | "
                      + " | ".join(cells) + f" | {both(c.name):.2f}x | {c.setup_s:.1f} | {c.note} |")
     fp32_ms = ", ".join(f"{timing[s]['fp32 eager'].median_ms:.3f} ms at {s}" for s in shapes)

@@ -160,7 +160,7 @@ def case_table(case: Case) -> str:
             lines.append(f"| {c.name} | – | – | – | – | {c.setup_s:.1f} | – | {c.note} |")
             continue
         t, loss, peak = case.timing[c.name], relative_loss(case.baseline, case.scores[c.name]), case.peak_mib[c.name]
-        lines.append(f"| {c.name} | {fp32.median_ms / t.median_ms:.2f}x (±{t.spread_ms / t.median_ms:.0%}) | "
+        lines.append(f"| {c.name} | {1.0 / t.ratio_to(fp32):.2f}x (±{t.spread_ms / t.median_ms:.0%}) | "
                      f"{t.median_ms:.3f} | {case.scores[c.name]:.4f} ({loss:+.2%}) | "
                      f"{'yes' if loss <= TOLERANCE else 'NO'} | {c.setup_s:.1f} | "
                      f"{'–' if peak is None else f'{peak:.0f}'} | {c.note} |")
@@ -173,7 +173,7 @@ def summary(cases: list[Case]) -> str:
         candidate = next((c for c in case.found if c.name == name), None)
         if candidate is None or candidate.timed is None:
             return "needs CUDA" if candidate is not None and candidate.note.startswith("needs CUDA") else "–"
-        speedup = case.timing["fp32 eager"].median_ms / case.timing[name].median_ms
+        speedup = 1.0 / case.timing[name].ratio_to(case.timing["fp32 eager"])
         loss = relative_loss(case.baseline, case.scores[name])
         return f"{speedup:.2f}x" + ("" if loss <= TOLERANCE else f" (NO: {loss:+.1%})")
 

@@ -186,7 +186,7 @@ def run_real(workload: str, quick: bool) -> list[dict]:
         accuracy = found.accuracy
         if math.isnan(accuracy):                      # INC: score its returned model once (not counted)
             accuracy = float(eval_fn(found.model))
-        speedup = timing["fp32"].median_ms / timing[f"m{i}"].median_ms
+        speedup = 1.0 / timing[f"m{i}"].ratio_to(timing["fp32"])
         row = _row(workload, found, speedup, accuracy, baseline, len(names), passed=config.passes(baseline, accuracy),
                    reference=reference, description=description, space_size=space.size,
                    latency_ms=timing[f"m{i}"].median_ms, latency_iqr_ms=timing[f"m{i}"].spread_ms,

@@ -165,3 +165,17 @@ def test_the_device_measurer_warms_models_up_as_configured_unless_told_they_are_
         models = {name: _Counted(nn.Identity(), 0.015, calls, name) for name in ("fp32", "plan")}
         stats = DeviceMeasurer(config).latency(models, ((torch.randn(2, 2),), {}), 3, warmup)
         assert all(calls[name] == expected + stats[name].repeats for name in models), (warmup, calls)
+
+
+def test_a_variant_timed_in_fewer_rounds_is_compared_with_fp32s_same_rounds():
+    from autotune.measure.latency import LatencyStats
+    from autotune.measure.measurer import ratios_to_fp32
+    fp32 = LatencyStats(5.0, 2.5, 8, (10.0, 10.0, 10.0, 5.0, 5.0, 5.0, 5.0, 5.0))   # a loaded spell, then quiet
+    stopped = LatencyStats(6.0, 0.0, 3, (6.0, 6.0, 6.0))           # the race stopped timing it after 3 rounds
+    raced = LatencyStats(4.0, 2.0, 8, (8.0, 8.0, 8.0, 4.0, 4.0, 4.0, 4.0, 4.0))
+    ratios = {name: ratios_to_fp32({"b": {"fp32": fp32, name: stats}}, name)["b"]
+              for name, stats in (("stopped", stopped), ("raced", raced))}
+    # Its medians alone would put `stopped` at 6/5 = 1.2x fp32's time and `raced` at 0.8x; round by round,
+    # `stopped` ran at 0.6x, the faster of the two.
+    assert ratios == {"stopped": pytest.approx(0.6), "raced": pytest.approx(0.8)}
+    assert LatencyStats(3.0, 0.1, 5).ratio_to(LatencyStats(4.0, 0.1, 5)) == pytest.approx(0.75)   # no samples kept

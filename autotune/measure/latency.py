@@ -42,6 +42,14 @@ class LatencyStats:
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "samples_ms"}
 
+    def ratio_to(self, reference: LatencyStats) -> float:
+        """This latency / `reference`'s: the median of their per-round ratios over the rounds both were timed in,
+        as the race judged them. A variant the race stopped timing early is so compared with the reference's same
+        rounds, not with rounds timed later under another load. The ratio of medians where no samples are kept."""
+        if not self.samples_ms or not reference.samples_ms:
+            return self.median_ms / reference.median_ms
+        return statistics.median(mine / theirs for mine, theirs in zip(self.samples_ms, reference.samples_ms))
+
     def measurement(self, label: str, sub_label: str, description: str, num_threads: int) -> benchmark.Measurement:
         """These samples as torch.utils.benchmark's Measurement, for its `Compare` tables."""
         spec = benchmark.TaskSpec(stmt="model(*args, **kwargs)", setup="pass", label=label, sub_label=sub_label,

@@ -63,8 +63,8 @@ def latency_by_shape(measurer: Measurer, models: dict[str, nn.Module], shapes: l
 
 
 def ratios_to_fp32(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, float]:
-    """{shape: latency of model `name` / latency of "fp32"}, from `latency_by_shape`'s timings."""
-    return {shape: timing[name].median_ms / timing["fp32"].median_ms for shape, timing in by_shape.items()}
+    """{shape: latency of model `name` / latency of "fp32"}, from `latency_by_shape`'s timings, round by round."""
+    return {shape: timing[name].ratio_to(timing["fp32"]) for shape, timing in by_shape.items()}
 
 
 def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
