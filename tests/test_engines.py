@@ -223,18 +223,45 @@ def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_p
     assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]
 
 
-def test_a_dtype_whose_modules_ran_several_times_slower_eagerly_gets_no_compiled_uniform_finalist(caplog):
-    from autotune.search.winner import uniform_plans_worth_compiling
+class Int8FastestInContext(HalfCostMeasurer):
+    """Module costs that rank bf16 ahead of int8 on every module; whole-model timings in which the uniform int8
+    plan runs fastest (what modules timed alone miss of their neighbours)."""
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {n: {"int8": 0.6, "bf16": 0.4, "fp32": 1.0} for n in candidates}
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        from autotune.plan import plan_of
+
+        def ms(model):
+            dtypes = set(plan_of(model, self.names).values())
+            return 3.0 if dtypes == {"int8"} else 10.0 if dtypes == {"fp32"} else 8.0
+        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_the_eager_engine_gets_a_uniform_plan_predicted_slower_than_the_plans_tried(tmp_path):
+    model = mlp()
+    settings = config(tmp_path, engines=["eager"], max_trials=3,
+                      config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]))
+    result = autotune(model, settings, fidelity(model), batches(1)[0][0][0], measurer=Int8FastestInContext(NAMES))
+    tried = [t.user_attrs["plan"] for t in result.study.trials if t.user_attrs.get("evaluated")]
+    assert tried and all(set(plan.values()) != {"int8"} for plan in tried)   # predicted slower: never a trial
+    assert result.engine == "eager" and set(result.plan.values()) == {"int8"}
+    assert "uniform int8" in result.study.user_attrs["autotune.finalist_setup_s"]
+
+
+def test_a_dtype_whose_modules_ran_several_times_slower_eagerly_gets_no_uniform_finalist(caplog):
+    from autotune.search.winner import uniform_finalists
 
     candidates = {"a": ["int8", "fp16", "fp32"], "b": ["int8", "fp16", "fp32"], "c": ["fp32"]}
     # int8: a slower alone, b faster, 1.05x in all (inductor may fuse it ahead); fp16 emulated, 4.5x slower.
     latency = {"a": {"int8": 1.5, "fp16": 4.0, "fp32": 1.0}, "b": {"int8": 0.6, "fp16": 5.0, "fp32": 1.0},
                "c": {"fp32": 1.0}}
     with caplog.at_level("INFO", logger="autotune"):
-        assert uniform_plans_worth_compiling(candidates, latency) == {"int8": {"a": "int8", "b": "int8", "c": "fp32"}}
-    assert "uniform fp16 is not compiled as a finalist: its modules took 4.5x their fp32 time" in caplog.text
+        assert uniform_finalists(candidates, latency) == {"int8": {"a": "int8", "b": "int8", "c": "fp32"}}
+    assert "uniform fp16 is not a finalist: its modules took 4.5x their fp32 time" in caplog.text
     latency["a"]["fp16"], latency["b"]["fp16"] = 1.0, 2.9    # 1.95x in all: below the line, so compiled and timed
-    assert set(uniform_plans_worth_compiling(candidates, latency)) == {"fp16", "int8"}
+    assert set(uniform_finalists(candidates, latency)) == {"fp16", "int8"}
 
 
 def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, monkeypatch):

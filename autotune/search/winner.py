@@ -46,30 +46,29 @@ class Winner:
     knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
 
 
-def finalist_plans(runner: TrialRunner, engine: Engine, compiled_uniform: dict[str, Plan]) -> dict[str, Plan]:
+def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
     """Of the passing trials `engine` can realise: the three fastest and the fastest uniform plan, so the winner
     is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
     wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
 
-    A compiling engine also gets each plan of `compiled_uniform` (uniform_plans_worth_compiling) it can realise,
-    evaluated or not: the search predicts costs from modules run eagerly, which can prune a dtype that only pays
-    off compiled (int8 convolutions fused by inductor). Such a plan is re-evaluated before it can win, like every
+    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise, evaluated or not: the search
+    predicts costs from modules timed alone, which misses what they do to their neighbours (on MiniLM three bf16
+    modules predicted faster than int8 made the model slower than all-int8) and what a compiler fuses (int8
+    convolutions, slower alone, fused by inductor). Such a plan is re-evaluated before it can win, like every
     finalist."""
     passing = [t for t in studies.passing_trials(runner.study)
                if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
-    uniform = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
-    best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform][:1]
+    uniform_keys = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
+    best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
-    if engine.name != "eager":
-        known = {plan_key(plan) for plan in plans.values()}
-        for dtype, plan in compiled_uniform.items():
-            if plan_key(plan) not in known and engine.unsupported(plan) is None:
-                plans[f"uniform {dtype}"] = plan
+    known = {plan_key(plan) for plan in plans.values()}
+    for dtype, plan in uniform.items():
+        if plan_key(plan) not in known and engine.unsupported(plan) is None:
+            plans[f"uniform {dtype}"] = plan
     return plans
 
 
-def uniform_plans_worth_compiling(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
-                                  ) -> dict[str, Plan]:
+def uniform_finalists(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]) -> dict[str, Plan]:
     """{dtype: its uniform plan} for each lowered dtype `too_slow` finds no reason against."""
     plans = {}
     for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
@@ -77,7 +76,7 @@ def uniform_plans_worth_compiling(candidates: dict[str, list[str]], latency: dic
         if reason is None:
             plans[dtype] = uniform_plan(candidates, dtype)
         else:
-            log.info("uniform %s is not compiled as a finalist: %s", dtype, reason)
+            log.info("uniform %s is not a finalist: %s", dtype, reason)
     return plans
 
 
@@ -104,12 +103,12 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
     candidates, latency = (studies.get_attr(runner.study, name) for name in ("candidates", "module_latency_ms"))
-    compiled_uniform = uniform_plans_worth_compiling(candidates, latency)   # once: it logs what it leaves out
+    uniform = uniform_finalists(candidates, latency)   # once: it logs what it leaves out
     knobs = _knobs_to_try(runner, candidates, latency)
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        plans = finalist_plans(runner, engine, compiled_uniform)
+        plans = finalist_plans(runner, engine, uniform)
         if suffix and engine.unsupported(fp32 := _fp32_plan(runner)) is None:
             plans["fp32"] = fp32
         try:
