@@ -110,20 +110,31 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
     assert accuracy >= 0.99 * accuracy_eval(*digits(500))(reference)
 
 
-def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned):
+def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch):
+    from autotune.cli import bench_command
     folder, config, storage, _ = tuned
     plan_file = folder / "bench.json"
     assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    from autotune.measure.measurer import latency_by_shape
+    timed = {}
+
+    def recorded(*args):
+        timed.update(latency_by_shape(*args))
+        return timed
+    monkeypatch.setattr(bench_command, "latency_by_shape", recorded)
     result = run("bench", str(plan_file), "--config", str(config), "--shapes", "1,8", "--repeats", "3",
                  env={"TUNE_DIR": str(folder)})
     assert result.exit_code == 0, result.output
     assert "MNISTNet" in result.output and "fp32" in result.output    # torch.utils.benchmark's Compare table
     lines = {line.split(" (weight")[0]: line for line in result.output.splitlines() if "(weight 1)" in line}
     assert set(lines) == {"batch 1", "batch 8"}
-    for line in lines.values():
+    for shape, line in lines.items():
         speedup, plan_ms, fp32_ms = map(float, re.search(
             r": ([\d.]+)x fp32 +\(plan ([\d.]+) ± [\d.]+ ms, fp32 ([\d.]+) ± [\d.]+ ms, 3 rounds\)", line).groups())
-        assert speedup == pytest.approx(fp32_ms / plan_ms, rel=0.02)
+        fp32, plan = timed[shape]["fp32"], next(stats for name, stats in timed[shape].items() if name != "fp32")
+        assert (plan_ms, fp32_ms) == (pytest.approx(plan.median_ms, abs=6e-4), pytest.approx(fp32.median_ms, abs=6e-4))
+        per_round = [p / f for p, f in zip(plan.samples_ms, fp32.samples_ms)]   # the speedup: their median's inverse
+        assert speedup == pytest.approx(1 / sorted(per_round)[1], abs=6e-3)
     assert "weighted over the shapes:" in result.output
 
 

@@ -51,17 +51,19 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
     wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
 
-    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise, evaluated or not: the search
-    predicts costs from modules timed alone, which misses what they do to their neighbours (on MiniLM three bf16
-    modules predicted faster than int8 made the model slower than all-int8) and what a compiler fuses (int8
-    convolutions, slower alone, fused by inductor). Such a plan is re-evaluated before it can win, like every
-    finalist."""
+    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (the eager engine, in which
+    the trials ran, those they did not evaluate): the search predicts costs from modules timed alone, which
+    misses what they do to their neighbours (on MiniLM three bf16 modules predicted faster than int8 made the
+    model slower than all-int8) and what a compiler fuses (int8 convolutions, slower alone, fused by inductor).
+    Such a plan is re-evaluated before it can win, like every finalist."""
     passing = [t for t in studies.passing_trials(runner.study)
                if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
     uniform_keys = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
     best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
     known = {plan_key(plan) for plan in plans.values()}
+    if engine.name == "eager":   # the trials ran eager: an evaluated plan is a finalist above by its outcome or not
+        known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
     for dtype, plan in uniform.items():
         if plan_key(plan) not in known and engine.unsupported(plan) is None:
             plans[f"uniform {dtype}"] = plan
