@@ -134,13 +134,17 @@ def run_autotune(model: nn.Module, config: TuningConfig, eval_fn: Callable, exam
     sources = {plan_key(t.user_attrs["plan"]): t.user_attrs.get("source", "sampler")
                for t in result.study.trials if "plan" in t.user_attrs}
     overhead = wall - counted.seconds - timed.seconds
-    found = Found("autotune (ours)", result.plan, result.best.accuracy, counted.first_call_of(result.plan),
-                  counted.calls, wall, result.model, extra={
+    # A plan no trial evaluated (a uniform finalist; or one whose model plan_of cannot read: lowp runs the whole
+    # model in the low dtype) is first scored by the winner's re-evaluation, the run's last eval_fn call.
+    reached_at = counted.first_call_of(result.plan) or counted.calls
+    found = Found("autotune (ours)", result.plan, result.best.accuracy, reached_at, counted.calls, wall, result.model,
+                  extra={
                       "eval_s": counted.seconds, "measure_s": timed.seconds, "overhead_s": overhead,
                       "overhead_share": overhead / wall, "apply_plan_s": apply_timer.seconds,
                       "knapsack_s": search_timer.seconds, "tuner_speedup": result.speedup,
                       "trials_evaluated": result.trials_evaluated, "n_modules": len(names),
-                      "found_by": sources.get(plan_key(result.plan), "baseline"),
+                      "found_by": sources.get(plan_key(result.plan),
+                                              "baseline" if is_baseline(result.plan) else "finalists"),
                       "sources": [t.user_attrs.get("source", "sampler") for t in result.study.trials
                                   if t.user_attrs.get("evaluated")]})
     return found, result, counted
