@@ -2,10 +2,13 @@
 that dtype runs faster than fp32 (then the uniform plan stays in the space)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
+from autotune.capture import call
 from autotune.measure import LatencyStats, module_latency
 from autotune.search import SearchSpace
 
@@ -97,3 +100,28 @@ def test_the_error_of_a_dtype_timed_slower_than_fp32_on_a_module_is_not_measured
     # The search prunes those dtypes as it did when their errors were measured.
     assert SearchSpace.build(CANDIDATES, sensitivity, latency).choices == {"0": ["int8", "fp32"], "2": ["fp32"],
                                                                            "3": ["int8", "fp32"]}
+
+
+def test_a_groups_modules_are_lowered_together_once_per_dtype_they_share(monkeypatch):
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.capture import record_module_inputs
+    from autotune.measure import sensitivity as sensitivity_module
+    from autotune.measure.measurer import DeviceMeasurer
+    from autotune.plan import apply_plan
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    candidates = {"0": ["int8", "bf16", "fp32"], "2": ["int8", "fp32"], "4": ["int8", "fp32"]}
+    inputs = ((torch.randn(32, 16),), {})
+    calibration = record_module_inputs(net, list(candidates), inputs)
+    forwards = []
+    monkeypatch.setattr(sensitivity_module, "call", lambda model, batch: forwards.append(1) or call(model, batch))
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), groups=[["0", "2"]])
+    errors = DeviceMeasurer(config).sensitivity(net, candidates, inputs, calibration)
+    assert len(forwards) == 1 + 1 + 1     # the reference, the group in int8 (bf16 is not shared), module 4 in int8
+    assert "bf16" not in errors["0"] and errors["0"]["int8"] == errors["2"]["int8"] > 0
+    with torch.inference_mode():
+        reference = call(net, inputs)
+        both = sensitivity_module.output_error(reference.flatten(), call(
+            apply_plan(net, {"0": "int8", "2": "int8", "4": "fp32"}, calibration), inputs))
+    assert math.hypot(errors["0"]["int8"], errors["2"]["int8"]) == pytest.approx(both, rel=1e-5)

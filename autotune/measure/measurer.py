@@ -15,6 +15,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.capture import record_module_inputs
 from autotune.config.tuning import TuningConfig
+from autotune.discovery import module_groups
 from autotune.measure import module_latency as per_module
 from autotune.measure.latency import LatencyStats, measure_latency
 from autotune.measure.sensitivity import module_sensitivity
@@ -25,7 +26,8 @@ from autotune.storage import study as studies
 class Measurer(Protocol):
     def sensitivity(self, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
                     calibration: dict[str, CallInputs]) -> PerModule:
-        """{module: {dtype: output error}} with one module lowered at a time, on the calibration inputs."""
+        """{module: {dtype: output error}} with one module (or group of modules sharing a dtype) lowered at a
+        time, on the calibration inputs."""
 
     def module_latency(self, fp32: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
                        calibration: dict[str, CallInputs]) -> PerModule:
@@ -43,7 +45,7 @@ class DeviceMeasurer:
     config: TuningConfig
 
     def sensitivity(self, fp32, candidates, inputs, calibration):
-        return module_sensitivity(fp32, candidates, inputs, calibration)
+        return module_sensitivity(fp32, candidates, inputs, calibration, module_groups(candidates, self.config))
 
     def module_latency(self, fp32, candidates, inputs, calibration):
         timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads)

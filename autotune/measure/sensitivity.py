@@ -1,6 +1,9 @@
 """A cheap per-module signal, no eval_fn call: how much lowering one module alone disturbs the model's output."""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -26,19 +29,33 @@ def output_error(reference: torch.Tensor, output) -> float:
 
 
 def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
-                       calibration: dict[str, CallInputs]) -> dict[str, dict[str, float]]:
-    """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition."""
+                       calibration: dict[str, CallInputs], groups: Sequence[Sequence[str]] = ()
+                       ) -> dict[str, dict[str, float]]:
+    """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition.
+
+    The modules of a group, which the search gives one dtype (q/k/v), are lowered together, once per dtype they
+    all may keep, and each holds an equal share of that error (error / sqrt(members)): the search adds errors in
+    variance, so the group's is the one measured, and it costs one forward of the model instead of one per member.
+    """
     work = clone(model).eval()
+    errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
     with torch.inference_mode():
         reference = _flat_output(call(work, inputs))
-        errors: dict[str, dict[str, float]] = {}
-        for name, dtypes in candidates.items():
-            original = work.get_submodule(name)
-            errors[name] = {"fp32": 0.0}
-            for dtype in dtypes:
-                if dtype == "fp32":
-                    continue
-                work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
-                errors[name][dtype] = output_error(reference, call(work, inputs))
-                work = replace_module(work, name, original)
+        for members in _units(candidates, groups):
+            originals = {name: work.get_submodule(name) for name in members}
+            shared = [d for d in candidates[members[0]] if d != "fp32" and all(d in candidates[n] for n in members)]
+            for dtype in shared:
+                for name, original in originals.items():
+                    work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
+                error = output_error(reference, call(work, inputs))
+                for name, original in originals.items():
+                    errors[name][dtype] = error / math.sqrt(len(members))
+                    work = replace_module(work, name, original)
     return errors
+
+
+def _units(candidates: dict[str, list[str]], groups: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The groups whose members are all candidates, then every other candidate alone."""
+    units = [list(group) for group in groups if group and all(name in candidates for name in group)]
+    grouped = {name for unit in units for name in unit}
+    return units + [[name] for name in candidates if name not in grouped]
