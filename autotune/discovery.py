@@ -95,3 +95,36 @@ def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> lis
         taken = {name for group in groups for name in group}
         groups += [group for group in qkv_groups(candidates) if not taken.intersection(group)]
     return groups
+
+
+def unit_name(members: list[str]) -> str:
+    """`parent.{a,b,c}` for siblings, the members joined with `+` otherwise; a single module keeps its name."""
+    if len(members) == 1:
+        return members[0]
+    parents = {name.rpartition(".")[0] for name in members}
+    if len(parents) == 1:
+        parent = parents.pop()
+        return f"{parent + '.' if parent else ''}{{{','.join(n.rpartition('.')[2] for n in members)}}}"
+    return "+".join(members)
+
+
+def units_of(candidates: dict[str, list[str]], groups: list[list[str]]) -> dict[str, list[str]]:
+    """{unit name: member modules} in model order; modules in no group are units of their own."""
+    owner: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for name in group:
+            if name not in candidates:
+                raise ConfigError(f"groups.{index}: {name!r} is not a tunable module of this model",
+                                  [(f"groups.{index}", name)])
+            if name in owner:
+                raise ConfigError(f"groups.{index}: {name!r} is already in group {owner[name]}",
+                                  [(f"groups.{index}", name)])
+            owner[name] = index
+    in_order = {index: [name for name in candidates if owner.get(name) == index] for index in range(len(groups))}
+    units: dict[str, list[str]] = {}
+    for name in candidates:
+        if name not in owner:
+            units[name] = [name]
+        elif name == in_order[owner[name]][0]:   # a group stands where its first member does
+            units[unit_name(in_order[owner[name]])] = in_order[owner[name]]
+    return units

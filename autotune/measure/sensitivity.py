@@ -10,6 +10,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
+from autotune.discovery import units_of
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
 
@@ -41,7 +42,7 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
     errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
     with torch.inference_mode():
         reference = _flat_output(call(work, inputs))
-        for members in _units(candidates, groups):
+        for members in units_of(candidates, list(groups)).values():
             originals = {name: work.get_submodule(name) for name in members}
             shared = [d for d in candidates[members[0]] if d != "fp32" and all(d in candidates[n] for n in members)]
             for dtype in shared:
@@ -53,9 +54,3 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
                     work = replace_module(work, name, original)
     return errors
 
-
-def _units(candidates: dict[str, list[str]], groups: Sequence[Sequence[str]]) -> list[list[str]]:
-    """The groups whose members are all candidates, then every other candidate alone."""
-    units = [list(group) for group in groups if group and all(name in candidates for name in group)]
-    grouped = {name for unit in units for name in unit}
-    return units + [[name] for name in candidates if name not in grouped]
