@@ -128,3 +128,8 @@ def units_of(candidates: dict[str, list[str]], groups: list[list[str]]) -> dict[
         elif name == in_order[owner[name]][0]:   # a group stands where its first member does
             units[unit_name(in_order[owner[name]])] = in_order[owner[name]]
     return units
+
+
+def shared_dtypes(candidates: dict[str, list[str]], members: list[str]) -> list[str]:
+    """The dtypes every member of a unit may take, in the first member's order: the ones the unit may take."""
+    return [d for d in candidates[members[0]] if all(d in candidates[n] for n in members)]

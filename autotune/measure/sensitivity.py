@@ -10,7 +10,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.discovery import units_of
+from autotune.discovery import shared_dtypes, units_of
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
 
@@ -44,8 +44,7 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
         reference = _flat_output(call(work, inputs))
         for members in units_of(candidates, list(groups)).values():
             originals = {name: work.get_submodule(name) for name in members}
-            shared = [d for d in candidates[members[0]] if d != "fp32" and all(d in candidates[n] for n in members)]
-            for dtype in shared:
+            for dtype in (d for d in shared_dtypes(candidates, members) if d != "fp32"):
                 for name, original in originals.items():
                     work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
                 error = output_error(reference, call(work, inputs))

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from autotune.discovery import units_of
+from autotune.discovery import shared_dtypes, units_of
 from autotune.plan import Plan, uniform_plan
 from autotune.search.knapsack import min_cost_choice
 
@@ -33,7 +33,7 @@ class SearchSpace:
         units = units_of(candidates, list(groups))
         choices, unit_error, unit_ms = {}, {}, {}
         for unit, names in units.items():
-            shared = [d for d in candidates[names[0]] if all(d in candidates[n] for n in names)]
+            shared = shared_dtypes(candidates, names)
             unit_ms[unit] = {d: sum(latency_ms[n][d] for n in names) for d in shared}
             # Errors of members lowered together add in variance; one not measured (its dtype was timed slower
             # than fp32 on that module: measurer.cached_signals) counts as unbounded.
