@@ -17,7 +17,11 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
-def float_tensors(value: Any) -> list[torch.Tensor]:
+def tensors(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    map_tensors(value, lambda t: found.append(t) if t.is_floating_point() else None)
+    map_tensors(value, found.append)
     return found
+
+
+def float_tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tensors(value) if t.is_floating_point()]

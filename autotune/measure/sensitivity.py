@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
 from autotune.discovery import shared_dtypes, units_of
+from autotune.measure.prefix import PrefixReplay
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
 
@@ -37,19 +39,24 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
     The modules of a group, which the search gives one dtype (q/k/v), are lowered together, once per dtype they
     all may keep, and each holds an equal share of that error (error / sqrt(members)): the search adds errors in
     variance, so the group's is the one measured, and it costs one forward of the model instead of one per member.
+    What runs before a unit is answered from the reference forward (autotune.measure.prefix), not run again.
     """
     work = clone(model).eval()
     errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
+    units = [members for members in units_of(candidates, list(groups)).values()
+             if any(d != "fp32" for d in shared_dtypes(candidates, members))]
+    output, replay = PrefixReplay.record(work, inputs, units, lambda ref, out: output_error(_flat_output(ref), out))
+    reference = _flat_output(output)
     with torch.inference_mode():
-        reference = _flat_output(call(work, inputs))
-        for members in units_of(candidates, list(groups)).values():
+        for members in units:
             originals = {name: work.get_submodule(name) for name in members}
-            for dtype in (d for d in shared_dtypes(candidates, members) if d != "fp32"):
-                for name, original in originals.items():
-                    work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
-                error = output_error(reference, call(work, inputs))
-                for name, original in originals.items():
-                    errors[name][dtype] = error / math.sqrt(len(members))
-                    work = replace_module(work, name, original)
+            with replay.replaying(members) if replay else nullcontext():
+                for dtype in (d for d in shared_dtypes(candidates, members) if d != "fp32"):
+                    for name, original in originals.items():
+                        work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
+                    error = output_error(reference, call(work, inputs))
+                    for name, original in originals.items():
+                        errors[name][dtype] = error / math.sqrt(len(members))
+                        work = replace_module(work, name, original)
     return errors
 

@@ -1,0 +1,124 @@
+"""Sensitivity answers what runs before a lowered unit from the reference forward: the same errors, fewer calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.capture import record_module_inputs
+from autotune.measure import prefix
+from autotune.measure.sensitivity import module_sensitivity
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.inner(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))   # a container never called itself
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            x *= 0.5   # in place on a block's output: what a replayed block returns must be a copy
+        return self.head(x)
+
+
+class Drifting(nn.Module):
+    """Returns more on each call: a module with state, which a record cannot answer for."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.calls
+
+
+def sensitivity_and_calls(net: nn.Module, candidates: dict[str, list[str]], inputs) -> tuple[dict, dict[str, int]]:
+    calibration = record_module_inputs(net, list(candidates), inputs)
+    calls: dict[str, int] = {}
+    for name, module in net.named_modules():
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    return module_sensitivity(net, candidates, inputs, calibration), calls
+
+
+def full_forward_sensitivity(monkeypatch, net, candidates, inputs) -> dict:
+    monkeypatch.setattr(prefix, "MAX_RECORDED_BYTES", -1)   # nothing may be kept: every forward runs in full
+    errors = module_sensitivity(net, candidates, inputs, record_module_inputs(net, list(candidates), inputs))
+    monkeypatch.undo()
+    return errors
+
+
+def test_modules_finished_before_a_lowered_unit_are_not_run_again_and_the_errors_are_unchanged(monkeypatch):
+    torch.manual_seed(0)
+    net, inputs = Net().eval(), ((torch.randn(32, 16),), {})
+    candidates = {"blocks.0.inner": ["int8", "bf16", "fp32"], "blocks.2.inner": ["int8", "bf16", "fp32"],
+                  "head": ["int8", "fp32"]}
+    errors, calls = sensitivity_and_calls(net, candidates, inputs)
+    calls = dict(calls)   # before the full forwards below add theirs
+    assert errors == full_forward_sensitivity(monkeypatch, net, candidates, inputs)
+    assert errors["head"]["int8"] > 0 and errors["blocks.0.inner"]["bf16"] > 0
+    # Counted on the blocks' ReLUs, which run only where their block does (a replayed block's hooks still fire).
+    # Reference and record forwards run every block; the check forward replays them all (the head's prefix).
+    # Then blocks.0.inner's two dtypes run every block, blocks.2.inner's two only blocks.2, the head's none.
+    assert calls["blocks.0.act"] == calls["blocks.1.act"] == 2 + 2
+    assert calls["blocks.2.act"] == 2 + 2 + 2
+
+
+def test_a_model_whose_modules_keep_state_runs_every_forward_in_full():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), Drifting(), nn.Linear(16, 4)).eval()
+    inputs = ((torch.randn(8, 16),), {})
+    output, replay = prefix.PrefixReplay.record(net, inputs, [["2"]], lambda ref, out: (out - ref).norm().item())
+    assert replay is None       # the check forward saw the record answer differently from the module
+    output, replay = prefix.PrefixReplay.record(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).eval(), inputs,
+                                                [["1"]], lambda ref, out: (out - ref).norm().item())
+    assert replay is not None
+
+
+def test_outputs_past_the_memory_bound_are_not_kept(monkeypatch):
+    net, inputs = Net().eval(), ((torch.randn(32, 16),), {})
+    monkeypatch.setattr(prefix, "MAX_RECORDED_BYTES", 32 * 16 * 4 - 1)   # less than one block's output
+    output, replay = prefix.PrefixReplay.record(net, inputs, [["head"]], lambda ref, out: 0.0)
+    assert replay is None and output.shape == (32, 4)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_the_last_module_lowered_costs_no_forward_of_the_rest(dtype):
+    torch.manual_seed(0)
+    net, inputs = Net().eval(), ((torch.randn(32, 16),), {})
+    errors, calls = sensitivity_and_calls(net, {"head": [dtype, "fp32"]}, inputs)
+    assert errors["head"][dtype] > 0
+    assert calls["blocks.0.act"] == calls["blocks.2.act"] == 2   # reference and record forwards only
+
+
+def test_a_parent_that_needs_what_a_skipped_forward_sets_runs_every_forward_in_full():
+    class Remembers(nn.Linear):
+        def forward(self, x):
+            self.last = x.shape[0]
+            return super().forward(x)
+
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Remembers(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            out = self.first(x)
+            del self.first.last      # the record's answer sets nothing: this raises when `first` is skipped
+            return self.second(out)
+
+    output, replay = prefix.PrefixReplay.record(Reads().eval(), ((torch.randn(8, 16),), {}), [["second"]],
+                                                lambda ref, out: 0.0)
+    assert replay is None and output.shape == (8, 4)
