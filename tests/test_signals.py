@@ -69,6 +69,17 @@ def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
     assert latency is ALONE_MS
 
 
+def test_nothing_is_timed_for_modules_too_small_to_change_a_plans_time(monkeypatch):
+    # Module 2 is slower in int8 alone but holds under 1 % of the fp32 time (a classifier head): pruned there.
+    alone = {"0": {"int8": 50.0, "fp32": 100.0}, "2": {"int8": 0.02, "fp32": 0.01},
+             "3": {"int8": 40.0, "bf16": 200.0, "fp32": 100.0}}
+    monkeypatch.setattr(module_latency, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))
+    latency = module_latency.confirm_in_context(model(), CANDIDATES, alone, ((torch.randn(4, 8),), {}), {},
+                                             warmup=1, repeats=3, num_threads=None)
+    assert latency is alone
+    assert SearchSpace.build(CANDIDATES, SENSITIVITY, latency).choices["2"] == ["fp32"]
+
+
 class _GivenLatency:
     """Module latency as ALONE_MS gives it; records which dtypes sensitivity is asked for."""
 

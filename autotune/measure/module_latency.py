@@ -19,6 +19,9 @@ HOPELESS_MIN_MS = 1.0  # ... judged from one call only where it takes this long:
 # on an earlier module (what a dtype's first use in the process initialises is paid there).
 FIRST_CALL_HOPELESS_RATIO = 4 * HOPELESS_RATIO   # times fp32's first call
 FIRST_CALL_HOPELESS_MIN_MS = 20.0
+# Modules holding less of the model's per-module fp32 time than this (a classifier head) cannot move a plan's time
+# whatever the whole model says of them: their verdict alone stands, not worth a whole-model timing.
+CONTEXT_MIN_SHARE = 0.01
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,
@@ -60,14 +63,17 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
                        inputs: CallInputs, calibration: dict[str, CallInputs], *, warmup: int, repeats: int,
                        num_threads: int | None) -> dict[str, dict[str, float]]:
     """`latency`, with a dtype kept where the module alone measured it slower than fp32 but the whole model in
-    that dtype runs faster than fp32 (timed interleaved with fp32; only dtypes with mixed module verdicts).
+    that dtype runs faster than fp32 (timed interleaved with fp32; only dtypes with mixed module verdicts, where
+    the modules slower alone hold CONTEXT_MIN_SHARE of the fp32 time or more).
 
     A kept module's cost in that dtype becomes its fp32 cost: no saving is predicted for it, so the knapsack and
     the fastest plan leave it in fp32, but the uniform plan of that dtype stays in the search space and is tried.
     """
     slower = {d: [n for n, ds in candidates.items() if d in ds and latency[n][d] >= latency[n]["fp32"]]
               for d in {d for ds in candidates.values() for d in ds if d != "fp32"}}
-    mixed = sorted(d for d, names in slower.items() if 0 < len(names) < sum(d in ds for ds in candidates.values()))
+    fp32_ms = sum(costs["fp32"] for costs in latency.values())
+    mixed = sorted(d for d, names in slower.items() if 0 < len(names) < sum(d in ds for ds in candidates.values())
+                   and sum(latency[n]["fp32"] for n in names) >= CONTEXT_MIN_SHARE * fp32_ms)
     if not mixed:
         return latency
     uniform = {d: apply_plan(model, uniform_plan(candidates, d), calibration) for d in mixed}
