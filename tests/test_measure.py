@@ -44,7 +44,16 @@ def test_a_variant_clearly_slower_than_the_fastest_stops_being_timed_the_referen
     samples = {"fp32": [1.0] * rounds, "fast": fast, "close": close, "slow": [0.9] * rounds}
     assert still_racing(samples) == ["fp32", "fast", "close"]
     assert still_racing({name: times[:2] for name, times in samples.items()}) == list(samples)  # too few rounds
+    assert still_racing({name: times[:1] for name, times in samples.items()}) == list(samples)
     assert still_racing({"fp32": [1.0] * rounds, "slow": [3.0] * rounds}) == ["fp32", "slow"]  # nothing to race
+
+
+def test_after_two_rounds_only_a_variant_far_slower_in_every_sample_is_out_the_reference_never():
+    samples = {"fp32": [4.0, 4.1], "fast": [1.0, 1.9], "far": [3.9, 4.2], "spell": [1.1, 4.5]}
+    # "far": both samples 2x the fastest's slower one (1.9); "spell": one slow sample is not enough.
+    assert still_racing(samples) == ["fp32", "fast", "spell"]
+    # The bar is twice the slowest sample of the variant whose slowest is lowest: a spell on the fastest raises it.
+    assert still_racing({**samples, "fast": [1.0, 2.0]}) == list(samples)
 
 
 def test_a_near_tie_within_the_precision_of_the_fastest_stops_being_timed_a_wide_contender_does_not():
