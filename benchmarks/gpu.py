@@ -47,7 +47,7 @@ from autotune import MixedPrecisionConfig, TuningConfig  # noqa: E402
 from autotune.capture import as_call_inputs, call, to_device  # noqa: E402
 from autotune.clone import clone  # noqa: E402
 from autotune.discovery import search_candidates  # noqa: E402
-from autotune.engines import KNOBS, Calibration, LowPrecisionEngine  # noqa: E402
+from autotune.engines import KNOBS, Calibration, LowPrecisionEngine, compile_model  # noqa: E402
 from autotune.measure.latency import device_name, measure_latency  # noqa: E402
 from autotune.measure.shapes import resize_batch  # noqa: E402
 from autotune.tree import map_tensors  # noqa: E402
@@ -88,7 +88,7 @@ def recipes(fp32: nn.Module, device: torch.device) -> dict[str, tuple[str | None
             "fp32 + TF32": (KNOBS["tf32"].supports(fp32), lambda: KNOBS["tf32"].apply(fp32)),
             "torch.autocast (AMP)": (KNOBS["autocast"].supports(fp32), lambda: KNOBS["autocast"].apply(fp32)),
             "model.half()": (None, half),
-            "torch.compile(model)": (None, lambda: torch.compile(clone(fp32))),
+            "torch.compile(model)": (None, lambda: compile_model(clone(fp32))),
             "torch.compile(model.half())": (None, lambda: lowp.runnable(half())),
             CUDA_GRAPHS: (KNOBS["cuda_graphs"].supports(fp32),
                           lambda: lowp.runnable(KNOBS["cuda_graphs"].apply(half())))}

@@ -15,7 +15,8 @@ from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.cli import main
-from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, realise
+from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, get_engine, realise
+from autotune.engines.base import ISOLATES_RECOMPILES
 from autotune.measure import LatencyStats
 
 pytest.importorskip("torchao")
@@ -299,3 +300,25 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
     x = batches(1)[0][0][0]
     with torch.no_grad():
         assert torch.equal(reread(x), built(x))
+
+
+class _Scaled(nn.Module):
+    """One class, instances that compile to different code (dynamo guards on `k`): like finalists sharing forwards."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+@pytest.mark.skipif(not ISOLATES_RECOMPILES, reason="this torch has no torch.compile(isolate_recompiles=)")
+def test_finalists_sharing_their_classes_forward_each_keep_their_own_compiled_code(monkeypatch):
+    # With the entries of every finalist on one code object, the third here would pass dynamo's limit (2) and run
+    # eagerly; the limit made a hard failure shows it does not.
+    monkeypatch.setattr(torch.compiler.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch.compiler.config, "fail_on_recompile_limit_hit", True)
+    for k in range(4):
+        runnable = get_engine("inductor").runnable(_Scaled(k))
+        assert torch.equal(runnable(torch.ones(3)), torch.full((3,), float(k)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autotune.engines.base import Calibration, Engine, EngineUnavailable
+from autotune.engines.base import Calibration, Engine, EngineUnavailable, compile_model
 from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
@@ -48,4 +48,5 @@ def get_engine(name: str) -> Engine:
 
 
 __all__ = ["Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES",
-           "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine", "get_engine", "realise", "with_knobs"]
+           "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine", "get_engine", "realise",
+           "with_knobs"]

@@ -1,6 +1,7 @@
 """The one interface every engine implements."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,10 +18,20 @@ from autotune.plan import Plan
 COMPILE_MODE = "autotune_compile_mode"
 
 
+# Finalists share their classes' forward code, and dynamo keeps the compiled entries of all of them on that code
+# object: past its recompile limit (8) further finalists ran those frames eagerly, and were timed so. Each model
+# compiled here gets its own entries, as it would alone in a user's process (where torch.compile offers that).
+ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+def compile_model(model: nn.Module, mode: str | None = None) -> nn.Module:
+    """torch.compile(model, mode=mode), with its compiled code kept apart from every other model's."""
+    return torch.compile(model, mode=mode, **({"isolate_recompiles": True} if ISOLATES_RECOMPILES else {}))
+
+
 def compile_runnable(built: nn.Module) -> nn.Module:
     """`built` under torch.compile, in the mode its knobs marked it with (default: torch.compile's own)."""
-    mode = getattr(built, COMPILE_MODE, None)
-    return torch.compile(built, mode=mode) if mode else torch.compile(built)
+    return compile_model(built, getattr(built, COMPILE_MODE, None))
 
 
 def how_to_compile(loaded: str, built: nn.Module) -> str:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autotune.capture import call
-from autotune.engines.base import Calibration, EngineUnavailable
+from autotune.engines.base import Calibration, EngineUnavailable, compile_model
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 
@@ -72,7 +72,7 @@ class CompiledEngine:
             return convert_pt2e(prepared)
 
     def runnable(self, built: nn.Module) -> nn.Module:
-        return torch.compile(built)
+        return compile_model(built)
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
