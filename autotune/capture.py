@@ -77,13 +77,18 @@ def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs)
         def hook(module, args, kwargs, name=name):
             recorded.setdefault(name, (detach_clone(args), detach_clone(kwargs)))
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    call_hooked(model, inputs, handles)
+    return recorded
+
+
+def call_hooked(model: nn.Module, inputs: CallInputs, handles: list) -> Any:
+    """One forward of `model` on `inputs` (inference mode) with the hooks behind `handles`, removed after it."""
     try:
         with torch.inference_mode():
-            call(model, inputs)
+            return call(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return recorded
 
 
 def call(model: nn.Module, inputs: CallInputs) -> Any:

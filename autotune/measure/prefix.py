@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import call, detach_clone
+from autotune.capture import call, call_hooked, detach_clone
 from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")
@@ -57,12 +57,12 @@ class PrefixReplay:
         replay = cls(outputs, skipped)
         try:
             with replay.replaying(max(starts, key=starts.__getitem__)), torch.inference_mode():
-                changed = error(output, call(model, inputs)) > MAX_CHECK_ERROR
+                differs = error(output, call(model, inputs))
+            why = f"the check forward's output differs by {differs:.2g}" if differs > MAX_CHECK_ERROR else None
         except Exception as exc:   # e.g. a parent reading what a skipped module's forward would have set
-            changed = f"{type(exc).__name__}: {exc}"
-        if changed:
-            log.debug("sensitivity runs every forward in full: answering modules from the reference changed the "
-                      "output (%s)", changed)
+            why = f"the check forward raised {type(exc).__name__}: {exc}"
+        if why:
+            log.debug("sensitivity runs every forward in full: %s", why)
             return output, None
         return output, replay
 
@@ -103,14 +103,8 @@ def _call_order(model: nn.Module, inputs: CallInputs) -> tuple[dict[int, tuple[i
     def ended(module, args, output):
         order[id(module)][1] = next(events)
 
-    handles = [h for module in model.modules() for h in (module.register_forward_pre_hook(started),
-                                                          module.register_forward_hook(ended))]
-    try:
-        with torch.inference_mode():
-            output = call(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    output = call_hooked(model, inputs, [h for module in model.modules() for h in (
+        module.register_forward_pre_hook(started), module.register_forward_hook(ended))])
     return {key: (start, end) for key, (start, end) in order.items()}, output
 
 
@@ -137,12 +131,6 @@ def _record_outputs(model: nn.Module, inputs: CallInputs, modules: list[nn.Modul
         size[0] += sum(t.numel() * t.element_size() for t in tensors(copied))
         outputs[id(module)].append(copied)
 
-    handles = [module.register_forward_hook(keep) for module in modules]
-    try:
-        with torch.inference_mode():
-            call(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    call_hooked(model, inputs, [module.register_forward_hook(keep) for module in modules])
     return outputs if size[0] <= MAX_RECORDED_BYTES else None
 
