@@ -59,7 +59,7 @@ def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_tr
         return engine.runnable(pt2e_built[-1])
 
     found = [Candidate("fp32 eager", fp32, fp32, 0.0),
-             warmed("torch.compile fp32", lambda: compile_model(copy.deepcopy(fp32)), lambda m: m, shapes),
+             warmed("torch.compile fp32", lambda: compile_model(copy.deepcopy(fp32), alone=True), lambda m: m, shapes),
              warmed("quantize_dynamic int8", lambda: torch.ao.quantization.quantize_dynamic(
                  copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8), lambda m: m, shapes),
              warmed("pt2e int8 + inductor (uniform)", pt2e, lambda _m: pt2e_built[-1], shapes)]

@@ -88,7 +88,7 @@ def recipes(fp32: nn.Module, device: torch.device) -> dict[str, tuple[str | None
             "fp32 + TF32": (KNOBS["tf32"].supports(fp32), lambda: KNOBS["tf32"].apply(fp32)),
             "torch.autocast (AMP)": (KNOBS["autocast"].supports(fp32), lambda: KNOBS["autocast"].apply(fp32)),
             "model.half()": (None, half),
-            "torch.compile(model)": (None, lambda: compile_model(clone(fp32))),
+            "torch.compile(model)": (None, lambda: compile_model(clone(fp32), alone=True)),
             "torch.compile(model.half())": (None, lambda: lowp.runnable(half())),
             CUDA_GRAPHS: (KNOBS["cuda_graphs"].supports(fp32),
                           lambda: lowp.runnable(KNOBS["cuda_graphs"].apply(half())))}

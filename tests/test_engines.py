@@ -15,8 +15,7 @@ from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.cli import main
-from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, get_engine, realise
-from autotune.engines.base import ISOLATES_RECOMPILES
+from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, compile_model, get_engine, realise
 from autotune.measure import LatencyStats
 
 pytest.importorskip("torchao")
@@ -313,12 +312,12 @@ class _Scaled(nn.Module):
         return x * self.k
 
 
-@pytest.mark.skipif(not ISOLATES_RECOMPILES, reason="this torch has no torch.compile(isolate_recompiles=)")
-def test_finalists_sharing_their_classes_forward_each_keep_their_own_compiled_code(monkeypatch):
-    # With the entries of every finalist on one code object, the third here would pass dynamo's limit (2) and run
-    # eagerly; the limit made a hard failure shows it does not.
+@pytest.mark.parametrize("alone", [False, True])
+def test_models_compiled_side_by_side_never_pass_dynamos_limit_and_run_eagerly(monkeypatch, alone):
+    # Four models whose entries land on one code object: past dynamo's limit (made 2 here, and a hard failure) the
+    # third would run eagerly. Finalists get room beside each other; a peer (`alone`) entries of its own.
     monkeypatch.setattr(torch.compiler.config, "recompile_limit", 2)
     monkeypatch.setattr(torch.compiler.config, "fail_on_recompile_limit_hit", True)
     for k in range(4):
-        runnable = get_engine("inductor").runnable(_Scaled(k))
+        runnable = get_engine("inductor").runnable(_Scaled(k)) if not alone else compile_model(_Scaled(k), alone=True)
         assert torch.equal(runnable(torch.ones(3)), torch.full((3,), float(k)))

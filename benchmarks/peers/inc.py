@@ -222,7 +222,7 @@ def _int8_stage(inc_q, inc_at, work, args, kwargs, counted_eval, scores, notes, 
     runs.append(run)
     if run["model"] is not None and compile_int8:
         try:
-            compiled = compile_model(run["model"])   # compiled apart, as if alone
+            compiled = compile_model(run["model"], alone=True)
             with torch.inference_mode():
                 compiled(*args)  # compile now, inside wall_s
             run["model"], run["config"] = compiled, run["config"] + " + torch.compile"
