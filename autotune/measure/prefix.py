@@ -127,9 +127,10 @@ def _record_outputs(model: nn.Module, inputs: CallInputs, modules: list[nn.Modul
     size = [0]
 
     def keep(module, args, output):
-        copied = detach_clone(output)
-        size[0] += sum(t.numel() * t.element_size() for t in tensors(copied))
-        outputs[id(module)].append(copied)
+        if size[0] > MAX_RECORDED_BYTES:
+            return   # over the bound already: nothing more is kept (and the record is dropped)
+        size[0] += sum(t.numel() * t.element_size() for t in tensors(output))
+        outputs[id(module)].append(detach_clone(output))
 
     call_hooked(model, inputs, [module.register_forward_hook(keep) for module in modules])
     return outputs if size[0] <= MAX_RECORDED_BYTES else None
