@@ -134,4 +134,3 @@ def _record_outputs(model: nn.Module, inputs: CallInputs, modules: list[nn.Modul
 
     call_hooked(model, inputs, [module.register_forward_hook(keep) for module in modules])
     return outputs if size[0] <= MAX_RECORDED_BYTES else None
-

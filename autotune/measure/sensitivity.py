@@ -59,4 +59,3 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
                         errors[name][dtype] = error / math.sqrt(len(members))
                         work = replace_module(work, name, original)
     return errors
-
