@@ -322,6 +322,7 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
 
 
 SETTING_LABELS = {"device": "device", "device_name": "device name", "num_threads": "threads while timing",
+                  "allocation": "memory allocation while timing",
                   "warmup": "warm-up calls",
                   "repeats": "most timing rounds per model in a trial (fewer once the comparison settles)",
                   "torch": "torch version", "tolerable_loss": "tolerable loss", "loss_kind": "loss kind",

@@ -22,6 +22,7 @@ from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import module_groups, search_candidates
 from autotune.errors import EvalFunctionError
+from autotune.measure.allocator import steady_allocation
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
@@ -44,10 +45,11 @@ def study_name_for(model: nn.Module, config: TuningConfig, candidates: dict[str,
         type(model).__name__, candidates if candidates is not None else search_candidates(model, config), config)
 
 
-def run_settings(config: TuningConfig, device: torch.device) -> dict[str, Any]:
+def run_settings(config: TuningConfig, device: torch.device, allocation: str) -> dict[str, Any]:
     """Where and how the study's latencies are measured, and its tolerance: what the report shows beside them."""
     return {"device": str(device), "device_name": device_name(device),
-            "num_threads": config.num_threads or torch.get_num_threads(), "warmup": config.warmup,
+            "num_threads": config.num_threads or torch.get_num_threads(), "allocation": allocation,
+            "warmup": config.warmup,
             "repeats": config.repeats, "torch": torch.__version__, "tolerable_loss": config.tolerable_loss,
             "loss_kind": config.loss_kind, "higher_is_better": config.higher_is_better, "objective": config.objective}
 
@@ -123,7 +125,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     name = study_name_for(model, config, candidates)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     study = studies.open_study(config, name, candidates, storage)
-    studies.set_attr(study, "settings", run_settings(config, device))
+    allocation = (steady_allocation() if config.steady_allocation
+                  else "allocator not fixed by this run (steady_allocation: false)")
+    log.info("%s", allocation)
+    studies.set_attr(study, "settings", run_settings(config, device, allocation))
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 

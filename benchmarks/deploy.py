@@ -20,6 +20,9 @@ one model serving both shapes.
 Setup is what a candidate cost before it could serve: tuning, quantising, compiling and the first call at each
 shape. A compiled candidate is scored as it runs (compiled), except pt2e, scored on its converted graph as
 autotune's compiled engine is (reference numerics); both match to within rounding here.
+Every candidate is built and timed with glibc malloc's thresholds fixed (autotune.measure.steady_allocation, as the
+tuner does): left to move, they made fp32 eager's MNIST time at batch 250 swing between 16 and 35 ms from one run to
+the next, and every speedup with it.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from autotune.capture import as_call_inputs, run_capturing  # noqa: E402
 from autotune.clone import clone  # noqa: E402
 from autotune.discovery import search_candidates  # noqa: E402
 from autotune.engines import Calibration, CompiledEngine, compile_model  # noqa: E402
-from autotune.measure.latency import measure_latency  # noqa: E402
+from autotune.measure import measure_latency, steady_allocation  # noqa: E402
 from autotune.measure.shapes import batch_size, resize_batch  # noqa: E402
 
 
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("--max-trials", type=int, default=None, help="default: the harness's per workload")
     args = parser.parse_args()
     torch.manual_seed(0)
+    steady_allocation()
     for workload in args.workloads.split(","):
         print(run(workload, args.quick, args.max_trials), "\n", flush=True)
 

@@ -185,6 +185,10 @@ class TuningConfig(ConfigModel):
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = Field(None, ge=1, description="threads while measuring; default: torch's current")
+    steady_allocation: bool = Field(
+        True, description="fix glibc malloc's thresholds (process-wide, autotune.measure.allocator) before timing, so "
+                          "a model's latency does not depend on what the process allocated before; false: the "
+                          "allocator is left as it is")
     warmup: int = Field(3, ge=0)
     repeats: int = Field(15, ge=3, description="most timing rounds per comparison; fewer once it is settled")
     trial_timing: Literal["measured", "predicted"] = Field(
