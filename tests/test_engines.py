@@ -321,3 +321,52 @@ def test_models_compiled_side_by_side_never_pass_dynamos_limit_and_run_eagerly(m
     for k in range(4):
         runnable = get_engine("inductor").runnable(_Scaled(k)) if not alone else compile_model(_Scaled(k), alone=True)
         assert torch.equal(runnable(torch.ones(3)), torch.full((3,), float(k)))
+
+
+
+@torch.compiler.disable
+def _eager_step(x):
+    return x + 1
+
+
+class _Breaks(nn.Module):
+    """A lowered module the compiler cannot trace through (a graph break), as some plans' modules are."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _eager_step(self.linear(x))
+
+
+class _Net(nn.Module):
+    def __init__(self, first: nn.Module):
+        super().__init__()
+        self.features = nn.Sequential(first, nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.classifier = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def test_a_model_compiled_alone_runs_its_own_whole_graph_not_what_another_model_left():
+    # A finalist whose first module breaks the graph leaves entries on the shared forwards under which `features`
+    # runs eagerly; a plain model of the same class compiled after it reused them even with isolate_recompiles
+    # (isolated lookups fall back to shared entries): MNIST's torch.compile peer ran at eager speed so. Compiled
+    # alone it runs one whole graph of its own: one compiled region a call, no eager ReLU.
+    from torch.profiler import profile
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        finalist = compile_model(_Net(_Breaks()))
+        finalist(x), finalist(x[:1])
+        plain = _Net(nn.Linear(8, 8))
+        expected = plain(x)
+        peer = compile_model(plain, alone=True)
+        peer(x), peer(x[:1])
+        assert torch.allclose(peer(x), expected)
+        with profile() as prof:
+            peer(x)
+    names = [event.name for event in prof.events()]
+    assert sum(name.startswith("Torch-Compiled Region") for name in names) == 1, names
+    assert not [name for name in names if name in ("aten::relu", "aten::clamp_min")], names
