@@ -350,11 +350,13 @@ class _Net(nn.Module):
         return self.classifier(self.features(x))
 
 
-def test_a_model_compiled_alone_runs_its_own_whole_graph_not_what_another_model_left():
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_compiled_model_runs_its_own_whole_graph_not_what_another_model_left(alone):
     # A finalist whose first module breaks the graph leaves entries on the shared forwards under which `features`
-    # runs eagerly; a plain model of the same class compiled after it reused them even with isolate_recompiles
-    # (isolated lookups fall back to shared entries): MNIST's torch.compile peer ran at eager speed so. Compiled
-    # alone it runs one whole graph of its own: one compiled region a call, no eager ReLU.
+    # runs eagerly; a plain model of the same class compiled after it reused them, even with isolate_recompiles
+    # (isolated lookups fall back to shared entries): MNIST's torch.compile peer ran at eager speed so, as would
+    # the inductor engine's fp32 finalist. Each runs one whole graph of its own: one compiled region a call, no
+    # eager ReLU.
     from torch.profiler import profile
     x = torch.randn(4, 8)
     with torch.inference_mode():
@@ -362,7 +364,7 @@ def test_a_model_compiled_alone_runs_its_own_whole_graph_not_what_another_model_
         finalist(x), finalist(x[:1])
         plain = _Net(nn.Linear(8, 8))
         expected = plain(x)
-        peer = compile_model(plain, alone=True)
+        peer = compile_model(plain, alone=alone)
         peer(x), peer(x[:1])
         assert torch.allclose(peer(x), expected)
         with profile() as prof:

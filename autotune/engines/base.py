@@ -19,29 +19,29 @@ from autotune.plan import Plan
 COMPILE_MODE = "autotune_compile_mode"
 
 
-# Finalists share their classes' forward code, and dynamo keeps every compiled entry of a code object together:
-# past its default limit (8 entries) later finalists ran those frames eagerly, and were timed so. The entries stay
-# shared (a finalist reuses what an earlier one compiled wherever the guards pass: MiniLM's tuning took 43 s with
-# each finalist compiled apart, 25 s shared), with room for all of them. Where torch.compile lacks these options
-# (older torch), its defaults.
+# Dynamo keeps compiled entries per code object, and models of one class share their forward code: a plain MNIST
+# model compiled after a finalist whose module broke the graph reused that finalist's entry, under which its
+# convolutions ran eagerly (1.0x where it runs 1.7x alone), and even `isolate_recompiles` falls back to shared
+# entries. So each compiled model runs a copy of its class's forward: its top frame runs only what its own compile
+# made. The frames below a graph break (submodules' forwards) stay shared, so a finalist reuses what an earlier one
+# compiled where the guards pass (MiniLM's tuning took 43 s with every finalist isolated, 25-36 s sharing them), with
+# room for all of them: past dynamo's default limit (8 entries a code object) later finalists ran those frames
+# eagerly, and were timed so. Where torch.compile lacks these options (older torch), its defaults.
 RECOMPILE_LIMIT = 256
 _OPTIONS = set(inspect.signature(torch.compile).parameters)
 
 
 def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False) -> nn.Module:
-    """torch.compile(model, mode=mode), with room for every finalist's compiled code beside this one's. `alone`:
-    compiled as in a process of its own instead, apart from every other model's code (a peer timed beside them)."""
-    if alone:
-        _give_own_forward(model)
+    """torch.compile(model, mode=mode) on a forward of the model's own, with room for every finalist's compiled
+    code beside this one's. `alone`: every frame's entries apart from other models' as well, as in a process of its
+    own (a peer timed beside the finalists)."""
+    _give_own_forward(model)
     options = {"isolate_recompiles": True} if alone else {"recompile_limit": RECOMPILE_LIMIT}
     return torch.compile(model, mode=mode, **{key: value for key, value in options.items() if key in _OPTIONS})
 
 
 def _give_own_forward(model: nn.Module) -> None:
-    """Points `model.forward` at a copy of its class's forward code. Dynamo keeps compiled entries per code object,
-    and even an isolated compile falls back to the shared entries: a plain MNIST model compiled after a finalist
-    whose module broke the graph reused that finalist's entry, under which its convolutions ran eagerly (1.0x
-    instead of 1.7x). A code object nothing else compiled can only run what this model's compile makes of it."""
+    """Points `model.forward` at a copy of its class's forward code (see RECOMPILE_LIMIT's comment)."""
     forward = type(model).forward
     if not isinstance(forward, types.FunctionType):
         return
