@@ -116,12 +116,14 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
     plan_file = folder / "bench.json"
     assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
     from autotune.measure.measurer import latency_by_shape
-    timed = {}
+    timed, order = {}, []
 
     def recorded(*args):
+        order.append("timing")
         timed.update(latency_by_shape(*args))
         return timed
     monkeypatch.setattr(bench_command, "latency_by_shape", recorded)
+    monkeypatch.setattr(bench_command, "steady_allocation", lambda: order.append("steady allocation"))
     result = run("bench", str(plan_file), "--config", str(config), "--shapes", "1,8", "--repeats", "3",
                  env={"TUNE_DIR": str(folder)})
     assert result.exit_code == 0, result.output
@@ -136,6 +138,7 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
         per_round = [p / f for p, f in zip(plan.samples_ms, fp32.samples_ms)]   # the speedup: their median's inverse
         assert speedup == pytest.approx(1 / sorted(per_round)[1], abs=6e-3)
     assert "weighted over the shapes:" in result.output
+    assert order == ["steady allocation", "timing"]     # timed as the tuner timed it
 
 
 @pytest.mark.parametrize("shapes", ["0,8", "one", "1,,2"])
