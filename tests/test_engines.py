@@ -301,6 +301,11 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
         assert torch.equal(reread(x), built(x))
 
 
+@torch.compiler.disable
+def _eager_step(x):
+    return x + 1
+
+
 class _Scaled(nn.Module):
     """One class, instances that compile to different code (dynamo guards on `k`): like finalists sharing forwards."""
 
@@ -309,24 +314,31 @@ class _Scaled(nn.Module):
         self.k = k
 
     def forward(self, x):
-        return x * self.k
+        return _eager_step(x) * self.k
+
+
+class _Holds(nn.Module):
+    """A model whose `_Scaled` breaks the graph: what follows the break is a frame on the class's shared code."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.scaled = _Scaled(k)
+
+    def forward(self, x):
+        return self.scaled(x)
 
 
 @pytest.mark.parametrize("alone", [False, True])
 def test_models_compiled_side_by_side_never_pass_dynamos_limit_and_run_eagerly(monkeypatch, alone):
-    # Four models whose entries land on one code object: past dynamo's limit (made 2 here, and a hard failure) the
-    # third would run eagerly. Finalists get room beside each other; a peer (`alone`) entries of its own.
+    # Four models whose entries below a graph break land on one code object: past dynamo's limit (made 2 here, and a
+    # hard failure) the third would run eagerly. Finalists get room beside each other; a peer (`alone`) entries of
+    # its own.
     monkeypatch.setattr(torch.compiler.config, "recompile_limit", 2)
     monkeypatch.setattr(torch.compiler.config, "fail_on_recompile_limit_hit", True)
     for k in range(4):
-        runnable = get_engine("inductor").runnable(_Scaled(k)) if not alone else compile_model(_Scaled(k), alone=True)
-        assert torch.equal(runnable(torch.ones(3)), torch.full((3,), float(k)))
-
-
-
-@torch.compiler.disable
-def _eager_step(x):
-    return x + 1
+        model = _Holds(k)
+        runnable = get_engine("inductor").runnable(model) if not alone else compile_model(model, alone=True)
+        assert torch.equal(runnable(torch.ones(3)), torch.full((3,), 2.0 * k))
 
 
 class _Breaks(nn.Module):
