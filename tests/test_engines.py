@@ -4,6 +4,7 @@ on the study, and the engine a winner ran in round-trips through `export` / `app
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -384,3 +385,19 @@ def test_a_compiled_model_runs_its_own_whole_graph_not_what_another_model_left(a
     names = [event.name for event in prof.events()]
     assert sum(name.startswith("Torch-Compiled Region") for name in names) == 1, names
     assert not [name for name in names if name in ("aten::relu", "aten::clamp_min")], names
+
+
+def test_compiling_keeps_a_forward_set_on_the_instance():
+    # The copy of the forward code is of the forward the model runs: a method set on the instance stays in force,
+    # and so does any other callable put there.
+    def doubled(self, x):
+        return 2 * self.classifier(x)
+
+    x = torch.randn(3, 8)
+    method = _Net(nn.Identity())
+    method.forward = types.MethodType(doubled, method)
+    plain = _Net(nn.Identity())
+    plain.forward = lambda x: -plain.classifier(x)
+    with torch.no_grad():
+        assert torch.allclose(compile_model(method)(x), 2 * method.classifier(x))
+        assert torch.allclose(compile_model(plain)(x), -plain.classifier(x))

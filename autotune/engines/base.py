@@ -41,8 +41,15 @@ def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = Fa
 
 
 def _give_own_forward(model: nn.Module) -> None:
-    """Points `model.forward` at a copy of its class's forward code (see RECOMPILE_LIMIT's comment)."""
-    forward = type(model).forward
+    """Points `model.forward` at a copy of its forward's code (see RECOMPILE_LIMIT's comment): the class's, or one
+    set on the instance as a method of it. Any other forward set on the instance is left as it is."""
+    forward = vars(model).get("forward")
+    if forward is None:
+        forward = type(model).forward
+    elif isinstance(forward, types.MethodType) and forward.__self__ is model:
+        forward = forward.__func__
+    else:
+        return
     if not isinstance(forward, types.FunctionType):
         return
     own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
