@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +39,39 @@ class CliError(click.ClickException):
     exit_code = INPUT_ERROR
 
 
+class _Interrupts:
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an exception
+    raised in a finalizer or a weakref callback, and a tune whose Ctrl-C landed in one (while the interpreter
+    collected compiled code) ran on to the end and exited 0. `stop_if_received` raises it again at a safe point."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def handle(self, _signum: int, _frame: Any) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def stop_if_received(self, *_trial: Any) -> None:
+        """Raises KeyboardInterrupt if Ctrl-C came; an Optuna trial callback (called after every trial) too."""
+        if self.received:
+            raise KeyboardInterrupt
+
+
+interrupts = _Interrupts()
+
+
 class _Group(click.Group):
     """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
     Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        interrupts.received = False
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, interrupts.handle) if main_thread else None
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            interrupts.stop_if_received()
+            return result
         except click.exceptions.Exit:
             raise
         except (click.ClickException, click.exceptions.Abort):
@@ -58,6 +86,9 @@ class _Group(click.Group):
             click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume",
                        err=True)
             ctx.exit(INTERRUPTED)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
 
 def _as_cli_error(exc: Exception) -> click.ClickException:

@@ -20,6 +20,7 @@ import yaml
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
     CliError,
+    interrupts,
     load_study,
     main,
     missing_sqlite,
@@ -111,7 +112,8 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
     try:
         with progress(tuning.max_trials, done, verbose) as callbacks:
-            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), callbacks=callbacks)
+            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(),
+                                  callbacks=[*callbacks, interrupts.stop_if_received])
             stopped = search(runner, started)
         failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
     finally:
