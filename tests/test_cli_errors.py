@@ -105,8 +105,7 @@ def test_environment_variables_are_expanded_in_every_string_and_an_unset_one_is_
     assert_one_error_line(result, 2, "evaluation.kwargs.label", "AUTOTUNE_TEST_UNSET_LABEL is not set")
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the dropped interrupt
-def test_a_ctrl_c_python_drops_in_a_finalizer_still_ends_the_command_as_interrupted():
+def test_a_ctrl_c_python_drops_in_a_finalizer_still_ends_the_command_as_interrupted(monkeypatch):
     # Python ignores an exception raised in __del__ or a weakref callback, KeyboardInterrupt too: a tune whose
     # Ctrl-C landed there (while compiled code was collected) ran to its end and exited 0.
     class SendsCtrlC:
@@ -120,13 +119,17 @@ def test_a_ctrl_c_python_drops_in_a_finalizer_still_ends_the_command_as_interrup
         SendsCtrlC()           # collected at once; its KeyboardInterrupt is dropped
         ran_on.append(True)
 
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)    # Python's own: prints the traceback
+    hook_before = sys.unraisablehook
     try:
         result = run("ctrl-c-in-a-finalizer")
     finally:
         main.commands.pop("ctrl-c-in-a-finalizer")
     assert ran_on == [True], "the interrupt was not dropped: this test no longer shows the case"
     assert_one_error_line(result, 130, "interrupted; every finished trial is kept")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handler is put back
+    assert "KeyboardInterrupt" not in result.output and "Exception ignored" not in result.output, result.output
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # the handlers are put back
+    assert sys.unraisablehook is hook_before
 
 
 def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path):

@@ -1,10 +1,12 @@
 """The command line's shared parts: the group with its one error path, storage options, output checks."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,9 @@ class CliError(click.ClickException):
 
 class _Interrupts:
     """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an exception
-    raised in a finalizer or a weakref callback, and a tune whose Ctrl-C landed in one (while the interpreter
-    collected compiled code) ran on to the end and exited 0. `stop_if_received` raises it again at a safe point."""
+    raised in a finalizer or a weakref callback (printing its traceback), and a tune whose Ctrl-C landed in one
+    (while the interpreter collected compiled code) ran on to the end and exited 0. `stop_if_received` raises it
+    again at a safe point; `unraisable` keeps the dropped one's traceback from the user."""
 
     def __init__(self) -> None:
         self.received = False
@@ -50,6 +53,13 @@ class _Interrupts:
     def handle(self, _signum: int, _frame: Any) -> None:
         self.received = True
         raise KeyboardInterrupt
+
+    def unraisable(self, previous_hook: Callable[[Any], None], unraisable: Any) -> None:
+        """A `sys.unraisablehook`: a dropped KeyboardInterrupt is a Ctrl-C received; anything else goes on."""
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self.received = True
+        else:
+            previous_hook(unraisable)
 
     def stop_if_received(self, *_trial: Any) -> None:
         """Raises KeyboardInterrupt if Ctrl-C came; an Optuna trial callback (called after every trial) too."""
@@ -68,6 +78,8 @@ class _Group(click.Group):
         interrupts.received = False
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, interrupts.handle) if main_thread else None
+        previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(interrupts.unraisable,
+                                                                                 sys.unraisablehook)
         try:
             result = super().invoke(ctx)
             interrupts.stop_if_received()
@@ -87,6 +99,7 @@ class _Group(click.Group):
                        err=True)
             ctx.exit(INTERRUPTED)
         finally:
+            sys.unraisablehook = previous_hook
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
