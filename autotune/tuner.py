@@ -22,7 +22,7 @@ from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import module_groups, search_candidates
 from autotune.errors import EvalFunctionError
-from autotune.measure.allocator import steady_allocation
+from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
@@ -125,8 +125,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     name = study_name_for(model, config, candidates)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     study = studies.open_study(config, name, candidates, storage)
-    allocation = (steady_allocation() if config.steady_allocation
-                  else "allocator not fixed by this run (steady_allocation: false)")
+    allocation = allocation_while_timing(config.steady_allocation)
     log.info("%s", allocation)
     studies.set_attr(study, "settings", run_settings(config, device, allocation))
     measurer = measurer or DeviceMeasurer(config)

@@ -123,7 +123,7 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
         timed.update(latency_by_shape(*args))
         return timed
     monkeypatch.setattr(bench_command, "latency_by_shape", recorded)
-    monkeypatch.setattr(bench_command, "steady_allocation", lambda: order.append("steady allocation"))
+    monkeypatch.setattr(bench_command, "allocation_while_timing", lambda steady: order.append(f"allocation {steady}"))
     result = run("bench", str(plan_file), "--config", str(config), "--shapes", "1,8", "--repeats", "3",
                  env={"TUNE_DIR": str(folder)})
     assert result.exit_code == 0, result.output
@@ -138,7 +138,7 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
         per_round = [p / f for p, f in zip(plan.samples_ms, fp32.samples_ms)]   # the speedup: their median's inverse
         assert speedup == pytest.approx(1 / sorted(per_round)[1], abs=6e-3)
     assert "weighted over the shapes:" in result.output
-    assert order == ["steady allocation", "timing"]     # timed as the tuner timed it
+    assert order == ["allocation True", "timing"]     # timed as the tuner timed it: the config's steady allocation
 
 
 @pytest.mark.parametrize("shapes", ["0,8", "one", "1,,2"])

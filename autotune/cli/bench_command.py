@@ -9,7 +9,7 @@ from autotune.cli.base import CliError, main
 from autotune.cli.study_commands import apply_saved_plan
 from autotune.config import LatencyInput, load_config
 from autotune.engines import get_engine
-from autotune.measure.allocator import steady_allocation
+from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.measurer import DeviceMeasurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import latency_shapes, weighted_ratio
 from autotune.plan import summarize
@@ -47,8 +47,7 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
     at = latency_shapes(tuning, applied.batches[0], device)
     plan_name = f"plan ({applied.engine})"
     models = {"fp32": applied.fp32, plan_name: get_engine(applied.engine).runnable(applied.built)}
-    if tuning.steady_allocation:     # timed as the tuner timed it
-        steady_allocation()
+    allocation_while_timing(tuning.steady_allocation)     # timed as the tuner timed it
     try:
         timing = latency_by_shape(DeviceMeasurer(tuning), models, at, repeats or tuning.repeats)
     except RuntimeError as exc:     # e.g. a factory's inputs the model cannot take

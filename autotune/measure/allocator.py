@@ -31,6 +31,12 @@ def steady_allocation() -> str:
     return _done
 
 
+def allocation_while_timing(steady: bool) -> str:
+    """What a run that times models does to the allocator: `steady_allocation()` if `steady` (the config's
+    `steady_allocation`), else nothing; returns what was done, as the study's settings record it."""
+    return steady_allocation() if steady else "allocator not fixed by this run (steady_allocation: false)"
+
+
 def _fix_thresholds() -> str:
     if platform.libc_ver()[0] != "glibc":
         return f"allocator left as is: not glibc ({platform.system()} {platform.libc_ver()[0] or 'libc'})"
