@@ -154,10 +154,12 @@ def test_a_long_call_is_sampled_alone_a_short_one_in_blocks_each_round(monkeypat
     rounds = stats["slow"].repeats
     assert rounds == stats["fp32"].repeats >= MIN_ROUNDS
     assert calls["slow"] == warmup + rounds           # the warm-up calls, then one call per sample
-    if warmup:   # each sample a block of ten or more calls after a warm-up call
-        assert calls["fp32"] >= warmup + rounds * 10
+    # Each sample of the short call is Timer's: a call that sizes the block (and warms up again), then the timed
+    # block: ten or more calls where the machine is quiet, one where a loaded host stretched a call past BLOCK_S.
+    if warmup:
+        assert calls["fp32"] >= warmup + rounds * 2
     else:        # models already warm: the first sample is one call, which tells long calls apart
-        assert calls["fp32"] >= 1 + (rounds - 1) * 10
+        assert calls["fp32"] >= 1 + (rounds - 1) * 2
     assert 20.0 <= stats["slow"].median_ms < 40.0
 
 
