@@ -9,6 +9,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.errors import EvalFunctionError
+from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
 
 
@@ -77,7 +78,8 @@ def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs)
         def hook(module, args, kwargs, name=name):
             recorded.setdefault(name, (detach_clone(args), detach_clone(kwargs)))
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
-    call_hooked(model, inputs, handles)
+    with children_called_as_modules(model, names):   # as they will be once lowered
+        call_hooked(model, inputs, handles)
     return recorded
 
 

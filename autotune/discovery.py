@@ -1,6 +1,7 @@
 """Finds the modules a configuration allows to tune, and the dtypes each may take."""
 from __future__ import annotations
 
+import logging
 from fnmatch import fnmatchcase
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 from autotune.backends import get_backend
 from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
 from autotune.errors import ConfigError, NoTunableModulesError
+
+log = logging.getLogger("autotune")
 
 
 def _type_matches(module: nn.Module, type_names: list[str]) -> bool:
@@ -86,6 +89,26 @@ def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[
     device = torch.device(config.device)
     return {name: [d for d in dtypes if get_backend(d).supports(model.get_submodule(name), device)]
             for name, dtypes in tunable_modules(model, config.config_set).items()}
+
+
+def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dict[str, list[str]]:
+    """The candidates the model's forward calls as modules. A parent may use a child's weights without calling
+    it (nn.MultiheadAttention's `out_proj`): lowering such a module would change nothing the model runs, and
+    there is no input to calibrate or time it on, so it stays as it is.
+
+    Raises:
+        NoTunableModulesError: the forward calls none of the candidates.
+    """
+    kept = {name: dtypes for name, dtypes in candidates.items() if name in called}
+    skipped = [name for name in candidates if name not in called]
+    if skipped:
+        log.info("%d tunable modules are never called by the forward (their parent reads their weights, or they "
+                 "are unused), so they stay as they are: %s%s", len(skipped), ", ".join(skipped[:5]),
+                 f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    if not kept:
+        raise NoTunableModulesError(f"the forward calls none of the {len(candidates)} tunable modules as a module "
+                                    f"(e.g. {skipped[0]!r}): nothing is left to tune")
+    return kept
 
 
 def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> list[list[str]]:

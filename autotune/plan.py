@@ -11,6 +11,7 @@ from torch import nn
 from autotune.backends import CallInputs, dtype_names, dtype_of, get_backend
 from autotune.clone import clone
 from autotune.errors import PlanError
+from autotune.fused_paths import calls_children_as_modules
 
 Plan = dict[str, str]
 
@@ -65,6 +66,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
         return new
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, new)
+    calls_children_as_modules(model, [name])
     return model
 
 
@@ -106,7 +108,9 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
         if (name, dtype) not in variants:
             variants[name, dtype] = lower_module(original, dtype, (calibration or {}).get(name))
         lowered[id(original)] = clone(variants[name, dtype])
-    return clone(model, memo=lowered).eval()
+    tuned = clone(model, memo=lowered).eval()
+    calls_children_as_modules(tuned, [name for name, dtype in plan.items() if dtype != "fp32"])
+    return tuned
 
 
 def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:

@@ -20,7 +20,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import example_or_batches, record_module_inputs, run_capturing
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.discovery import module_groups, search_candidates
+from autotune.discovery import called_candidates, module_groups, search_candidates
 from autotune.errors import EvalFunctionError
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
@@ -137,6 +137,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         setup = None if _measured(study) else _set_up(study, fp32, eval_fn, example_inputs, candidates, config,
                                                       measurer)
     setup = setup or _set_up(study, fp32, eval_fn, example_inputs, candidates, config, measurer)
+    candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
     log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning",
              setup.baseline, len(candidates), len(space.choices), space.size)
@@ -151,6 +152,7 @@ class _Setup:
     baseline: float
     eval_calls: int
     batches: list[CallInputs]           # the first is where calibration and signals are taken
+    candidates: dict[str, list[str]]    # those the forward calls: the others have no inputs to tune them on
     calibration: dict[str, CallInputs]
     shapes: list[Shape]
     sensitivity: dict[str, dict[str, float]]
@@ -175,10 +177,11 @@ def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candid
     if example_inputs is not None:
         batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
+    candidates = called_candidates(candidates, set(calibration))
     shapes = latency_shapes(config, batches[0], torch.device(config.device))
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
-    return _Setup(baseline, eval_calls, batches, calibration, shapes, sensitivity, latency)
+    return _Setup(baseline, eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
 
 
 @_fewer_collections()

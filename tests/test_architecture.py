@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 
 # Lowest first; a module may import modules of its own layer or of layers below it (README, "Architecture").
 LAYERS = [
-    ["autotune.errors", "autotune.tree", "autotune.clone", "autotune.timeout"],
+    ["autotune.errors", "autotune.tree", "autotune.clone", "autotune.timeout", "autotune.fused_paths"],
     ["autotune.backends"],
     ["autotune.config.tuning"],
     ["autotune.plan", "autotune.discovery", "autotune.capture", "autotune.dataset_eval"],

@@ -12,6 +12,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
 from autotune.discovery import shared_dtypes, units_of
+from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
@@ -42,6 +43,7 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
     What runs before a unit is answered from the reference forward (autotune.measure.prefix), not run again.
     """
     work = clone(model).eval()
+    calls_children_as_modules(work, candidates)   # as in the lowered models compared with it
     errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
     units = [members for members in units_of(candidates, list(groups)).values()
              if any(d != "fp32" for d in shared_dtypes(candidates, members))]

@@ -104,7 +104,8 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
     cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
-    candidates, latency = (studies.get_attr(runner.study, name) for name in ("candidates", "module_latency_ms"))
+    latency = studies.get_attr(runner.study, "module_latency_ms")
+    candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
     uniform = uniform_finalists(candidates, latency)   # once: it logs what it leaves out
     knobs = _knobs_to_try(runner, candidates, latency)
     for engine_name in runner.config.engines:
