@@ -7,14 +7,15 @@ from typing import Any
 import torch
 
 
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None = None) -> Any:
+    """`value` with each tensor in it replaced by `fn(tensor)`, and each other leaf by `other(leaf)` if given."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(map_tensors(item, fn) for item in value)
+        return type(value)(map_tensors(item, fn, other) for item in value)
     if isinstance(value, dict):
-        return type(value)({key: map_tensors(item, fn) for key, item in value.items()})
-    return value
+        return type(value)({key: map_tensors(item, fn, other) for key, item in value.items()})
+    return value if other is None else other(value)
 
 
 def tensors(value: Any) -> list[torch.Tensor]:

@@ -200,6 +200,29 @@ def test_the_compiled_engine_takes_keyword_inputs_whose_batch_and_length_vary():
         assert torch.allclose(built(**single[1]), model(**single[1]), atol=0.05)
 
 
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, scale: float = 1.0, clip: bool = False):
+        out = self.proj(x) * scale
+        return out.clamp(-1, 1) if clip else out
+
+
+def test_the_compiled_engine_takes_float_and_flag_arguments_beside_tensors():
+    # Export takes the non-tensor values as constants: the model is compiled for the way eval_fn calls it.
+    batch = [((torch.randn(n, 16),), {"scale": 0.5, "clip": True}) for n in (8, 4)]
+    model = Scaled().eval()
+    built = CompiledEngine().build(model, {"proj": "int8"}, Calibration(batch, {}))
+    assert weight_of_each_linear(built) == {"proj": "int8"}
+    x = batch[0][0][0][:5]
+    with torch.no_grad():
+        reference = model(x, scale=0.5, clip=True)
+        assert (built(x, scale=0.5, clip=True) - reference).norm() < 0.05 * reference.norm()
+
+
 class Int8PaysOnlyCompiled(HalfCostMeasurer):
     """Module costs that prune int8 (slower than fp32 run eagerly, as int8 convolutions can be), bf16 cheaper;
     whole-model timings in which only the compiled model runs faster than the eager bf16 plans."""

@@ -21,9 +21,10 @@ REALISED = {"int8", "fp32"}
 def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """Every dimension of every input tensor left for export to decide (Dim.AUTO: dynamic where the model allows
     it): batches differ in size and, for sequence models, in length. By parameter name, as export needs for
-    keyword inputs."""
+    keyword inputs; None for what is not a tensor (a float or flag argument)."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} or None)
+    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} or None,
+                       lambda other: None)
 
 
 def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
