@@ -21,7 +21,7 @@ from autotune.capture import example_or_batches, record_module_inputs, run_captu
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import called_candidates, module_groups, search_candidates
-from autotune.errors import EvalFunctionError
+from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
@@ -117,6 +117,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     signals under the study's setup lease, the others reuse them. Arguments and errors as for `autotune`.
     """
     config = tune_config if isinstance(tune_config, TuningConfig) else TuningConfig.from_mapping(tune_config)
+    if not isinstance(model, nn.Module):
+        raise NoTunableModulesError(f"autotune tunes a torch.nn.Module; got {type(model).__name__}"
+                                    + (" (a state_dict: load it into its model first)" if isinstance(model, dict)
+                                       else ""))
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
@@ -173,6 +177,7 @@ def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candid
     if baseline is None or example_inputs is None:
         eval_calls += 1
         baseline, batches = _baseline(fp32, eval_fn, baseline)
+        _check_relative_loss(config, baseline)
         studies.set_attr(study, "baseline_accuracy", baseline)
     if example_inputs is not None:
         batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
@@ -182,6 +187,14 @@ def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candid
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
     return _Setup(baseline, eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
+
+
+def _check_relative_loss(config: TuningConfig, baseline: float) -> None:
+    """A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone."""
+    if config.loss_kind == "relative" and baseline == 0:
+        raise ConfigError("loss_kind: the fp32 model scored exactly 0, so a loss relative to it is infinite for any "
+                          "drop; set loss_kind: absolute (tolerable_loss is then in eval_fn's units)",
+                          [("loss_kind", "relative to a baseline of 0")])
 
 
 @_fewer_collections()

@@ -64,3 +64,27 @@ def test_include_pattern_matching_nothing(storage):
     bad = config(storage, config_set=MixedPrecisionConfig(include=["encoder.*"]))
     with pytest.raises(ConfigError, match="pattern 'encoder.\\*' matches no module of Sequential"):
         autotune(small_model(), bad, lambda m: 1.0, example_inputs=INPUTS)
+
+
+@pytest.mark.parametrize("model,message", [
+    (lambda x: x, r"tunes a torch.nn.Module; got function$"),
+    (small_model().state_dict(), r"tunes a torch.nn.Module; got OrderedDict \(a state_dict: load it into its model")])
+def test_a_model_that_is_not_a_module_says_so(storage, model, message):
+    with pytest.raises(NoTunableModulesError, match=message):
+        autotune(model, config(storage), lambda m: 1.0, example_inputs=INPUTS)
+
+
+def test_a_relative_loss_against_a_baseline_of_zero_is_refused_before_any_trial(storage):
+    model = small_model()
+    with torch.no_grad():
+        reference = model(INPUTS)
+
+    def negative_error(net):       # 0 for the fp32 model itself: a loss relative to it is infinite
+        return -((net(INPUTS) - reference) ** 2).mean().item()
+    with pytest.raises(ConfigError, match="scored exactly 0.*set loss_kind: absolute"):
+        autotune(model, config(storage), negative_error)
+    assert optuna.load_study(study_name="errors", storage=storage).trials == []
+    absolute = TuningConfig(storage=storage, study_name="absolute", max_trials=2, repeats=3, loss_kind="absolute",
+                            tolerable_loss=1e-3)
+    result = autotune(model, absolute, negative_error)
+    assert result.baseline.accuracy == 0.0
