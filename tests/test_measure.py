@@ -86,6 +86,12 @@ def test_weight_bytes_counts_parameters_and_buffers():
     assert weight_bytes(model) == expected
 
 
+def test_weight_bytes_counts_a_tied_weight_once():
+    embed, out = nn.Embedding(100, 16), nn.Linear(16, 100, bias=False)
+    out.weight = embed.weight
+    assert weight_bytes(nn.Sequential(embed, out)) == 100 * 16 * 4
+
+
 class _Counted(nn.Module):
     """`inner`, counting its calls and sleeping `sleep_s` in each (a dtype emulated far slower than fp32), and
     `first_s` more in the first call of every `_Counted` of its dtype (what a dtype's first use initialises)."""
