@@ -208,8 +208,9 @@ def verified_winner(runner: TrialRunner) -> Winner:
         if config.passes(runner.baseline, accuracy):
             return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
                           ratio[name], finalist.setup_s, finalist.knobs)
-        log.warning("%s passed before but missed the requirement on re-evaluation (%.4f); trying the next",
-                    name, accuracy)
+        log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where %.4g "
+                    "is tolerable); trying the next", name, accuracy, config.accuracy_loss(runner.baseline, accuracy),
+                    config.tolerable_loss)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
     return Winner(_fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
 

@@ -45,8 +45,10 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     Raises:
         StudyMismatchError: the existing study was made for another objective, other modules or dtypes.
     """
-    if optuna.logging.get_verbosity() < optuna.logging.WARNING:   # not a line per trial from Optuna
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Not a line per trial from Optuna, nor its traceback of each failed trial: the tuner logs each failure itself,
+    # with its reason, in one line.
+    if optuna.logging.get_verbosity() < optuna.logging.ERROR:
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Trials carry their accuracy constraint (Trial.set_constraint), which TPE reads on its own.
