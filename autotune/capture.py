@@ -93,6 +93,16 @@ def call_hooked(model: nn.Module, inputs: CallInputs, handles: list) -> Any:
             handle.remove()
 
 
+def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
+    """Why one call of `model` on `inputs` fails ("TypeName: message"), or None if it runs."""
+    try:
+        with torch.inference_mode():
+            call(model, inputs)
+    except Exception as exc:  # the user's model: any failure is the answer
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
 def call(model: nn.Module, inputs: CallInputs) -> Any:
     args, kwargs = inputs
     return model(*args, **kwargs)

@@ -156,7 +156,8 @@ class _Setup:
     baseline: float
     eval_calls: int
     batches: list[CallInputs]           # the first is where calibration and signals are taken
-    candidates: dict[str, list[str]]    # those the forward calls: the others have no inputs to tune them on
+    candidates: dict[str, list[str]]    # those the forward calls (the others have no inputs to tune them on), in
+                                        # the dtypes that keep its output (measurer.cached_signals)
     calibration: dict[str, CallInputs]
     shapes: list[Shape]
     sensitivity: dict[str, dict[str, float]]
@@ -186,6 +187,7 @@ def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candid
     shapes = latency_shapes(config, batches[0], torch.device(config.device))
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
+    candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()}
     return _Setup(baseline, eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
 
 

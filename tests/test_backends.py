@@ -101,3 +101,22 @@ def test_copies_of_an_int8_module_share_packed_weights_but_not_hooks():
     assert copied._packed is lowered._packed and weight_bytes(copied) == weight_bytes(lowered)
     with torch.inference_mode():
         assert copied(x).abs().sum() == 0 and lowered(x).abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "int8"])
+def test_a_lowered_module_answers_what_parents_read_of_it(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    linear, conv = nn.Linear(16, 8), nn.Conv2d(3, 8, 3, stride=2, padding=1)
+    lowered_linear = get_backend(dtype).apply(linear, None)
+    lowered_conv = get_backend(dtype).apply(conv, ((x,), {}))
+    assert lowered_conv.stride == (2, 2) and lowered_conv.padding == (1, 1) and lowered_conv.out_channels == 8
+    assert lowered_linear.in_features == 16 and lowered_linear.weight.shape == (8, 16)
+    # The weights it stands for: the cast ones, or int8's dequantised (one quantisation step from the original).
+    for lowered, original in ((lowered_linear, linear), (lowered_conv, conv)):
+        assert relative_error(lowered.weight.float(), original.weight) < 1e-2
+        assert torch.allclose(lowered.bias.float(), original.bias, atol=1e-2)
+    wrapped = copy.deepcopy(lowered_linear)
+    assert type(wrapped) is type(lowered_linear)   # copying is the wrapper's own, not its inner module's
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        assert lowered_linear.no_such_thing is None

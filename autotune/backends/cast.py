@@ -25,12 +25,22 @@ def _first_float_dtype(args: tuple, kwargs: dict) -> torch.dtype:
 
 
 class CastWrapper(nn.Module):
-    """Runs `inner` in `dtype`; callers keep seeing their own floating dtype."""
+    """Runs `inner` in `dtype`; callers keep seeing their own floating dtype. Attributes the wrapper lacks are
+    read from `inner`: parents read their children's (`self.wo.weight.dtype` in T5, `self.conv1.stride` in
+    Whisper, `self.linear1.weight` in torch's own TransformerEncoderLayer)."""
 
     def __init__(self, inner: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.inner = inner.to(dtype)
         self.dtype = dtype
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or name == "inner":   # copy and pickle protocols are the wrapper's own
+                raise
+            return getattr(super().__getattr__("inner"), name)
 
     def forward(self, *args, **kwargs):
         outer = _first_float_dtype(args, kwargs)

@@ -38,6 +38,11 @@ class StaticInt8Conv2d(PackedInt8):
                 qweight, bias, list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
         self._nbytes = qint8_nbytes(qweight, bias)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
+        for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
+            setattr(self, name, getattr(conv, name))     # what parents read of a conv (Whisper: conv1.stride)
+
+    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.ops.quantized.conv2d_unpack(self._packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         unbatched = x.dim() == 3

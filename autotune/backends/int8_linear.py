@@ -31,6 +31,9 @@ class DynamicInt8Linear(PackedInt8):
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self._nbytes = qint8_nbytes(qweight, bias)
 
+    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.ops.quantized.linear_unpack(self._packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range)
         return out.to(x.dtype)

@@ -61,7 +61,11 @@ def qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
 
 
 class PackedInt8(nn.Module):
-    """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them."""
+    """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them.
+
+    `weight` and `bias` read as the float tensors the int8 ones stand for, dequantised on first read and then
+    kept: parents read their children's (`self.wo.weight.dtype` in T5, a tied use). The module runs the packed
+    int8 weights; `weight_nbytes` counts those alone."""
 
     _packed: torch.ScriptObject
     _nbytes: int
@@ -72,3 +76,21 @@ class PackedInt8(nn.Module):
 
     def weight_nbytes(self) -> int:
         return self._nbytes
+
+    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(int8 weight, float bias) out of the packed weights."""
+        raise NotImplementedError
+
+    def _float(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if "_floats" not in self.__dict__:
+            qweight, bias = self._unpack()
+            self.__dict__["_floats"] = (qweight.dequantize(), bias)
+        return self.__dict__["_floats"]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._float()[0]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._float()[1]

@@ -6,6 +6,8 @@ timings can stand in for it. The signals are kept on the study, so a resumed run
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +23,8 @@ from autotune.measure.latency import LatencyStats, measure_latency
 from autotune.measure.sensitivity import module_sensitivity
 from autotune.measure.shapes import PerModule, Shape, combine_module_latency
 from autotune.storage import study as studies
+
+log = logging.getLogger("autotune")
 
 
 class Measurer(Protocol):
@@ -58,6 +62,18 @@ class DeviceMeasurer:
                                repeats=repeats, num_threads=self.config.num_threads)
 
 
+def _without_lost(sensitivity: PerModule, latency: PerModule) -> PerModule:
+    """`latency` without the dtypes that lose a module's output (an inf error: nan / inf outputs, or a model that
+    fails to run with it): no plan with one can pass, so none is tried, uniform finalists included."""
+    kept = {}
+    for name, costs in latency.items():
+        lost = [d for d, error in sensitivity.get(name, {}).items() if not math.isfinite(error)]
+        if lost:
+            log.info("%s: %s lose(s) its output, so it stays out of them", name, ", ".join(lost))
+        kept[name] = {d: ms for d, ms in costs.items() if d not in lost}
+    return kept
+
+
 def latency_by_shape(measurer: Measurer, models: dict[str, nn.Module], shapes: list[Shape],
                      repeats: int, warmup: int | None = None) -> dict[str, dict[str, LatencyStats]]:
     """{shape: {model: latency}}: the models timed against each other at each shape in turn."""
@@ -89,6 +105,7 @@ def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, can
         kept = {name: [d for d in dtypes if latency[name][d] <= latency[name]["fp32"]]
                 for name, dtypes in candidates.items()}
         sensitivity = measurer.sensitivity(fp32, kept, inputs, calibration)
+        latency = _without_lost(sensitivity, latency)
         if len(shapes) > 1:
             studies.set_attr(study, "module_latency_ms_by_shape",
                              {shape.name: costs for shape, costs in zip(shapes, per_shape)})

@@ -6,9 +6,12 @@ change what a dtype costs (README, "How it searches", has a measured case). `con
 verdicts against the whole model."""
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.capture import failure_of
 from autotune.measure.latency import measure_latency, timed_call_ms
 from autotune.plan import apply_plan, lower_module, uniform_plan
 
@@ -22,6 +25,8 @@ FIRST_CALL_HOPELESS_MIN_MS = 20.0
 # Modules holding less of the model's per-module fp32 time than this (a classifier head) cannot move a plan's time
 # whatever the whole model says of them: their verdict alone stands, not worth a whole-model timing.
 CONTEXT_MIN_SHARE = 0.01
+
+log = logging.getLogger("autotune")
 
 
 def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibration: dict[str, CallInputs], *,
@@ -76,11 +81,20 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
                    and sum(latency[n]["fp32"] for n in names) >= CONTEXT_MIN_SHARE * fp32_ms)
     if not mixed:
         return latency
-    uniform = {d: apply_plan(model, uniform_plan(candidates, d), calibration) for d in mixed}
+    uniform = {}
+    for dtype in mixed:
+        candidate = apply_plan(model, uniform_plan(candidates, dtype), calibration)
+        failure = failure_of(candidate, inputs)
+        if failure:   # the sensitivity step names the module it fails with, and leaves that dtype out there
+            log.info("the model does not run in uniform %s (%s): no whole-model check of it", dtype, failure)
+        else:
+            uniform[dtype] = candidate
+    if not uniform:
+        return latency
     timing = measure_latency({"fp32": model, **uniform}, inputs, warmup=warmup, repeats=repeats,
                              num_threads=num_threads)
     confirmed = {n: dict(costs) for n, costs in latency.items()}
-    for dtype in mixed:
+    for dtype in uniform:
         if timing[dtype].median_ms < timing["fp32"].median_ms:
             for name in slower[dtype]:
                 confirmed[name][dtype] = latency[name]["fp32"]

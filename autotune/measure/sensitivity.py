@@ -1,6 +1,7 @@
 """A cheap per-module signal, no eval_fn call: how much lowering one module alone disturbs the model's output."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -11,11 +12,13 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.discovery import shared_dtypes, units_of
+from autotune.discovery import shared_dtypes, unit_name, units_of
 from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
+
+log = logging.getLogger("autotune")
 
 
 def _flat_output(output) -> torch.Tensor:
@@ -35,7 +38,8 @@ def output_error(reference: torch.Tensor, output) -> float:
 def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], inputs: CallInputs,
                        calibration: dict[str, CallInputs], groups: Sequence[Sequence[str]] = ()
                        ) -> dict[str, dict[str, float]]:
-    """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition.
+    """{module: {dtype: output error with only that module in that dtype}}; fp32 is 0 by definition, and a dtype
+    in which the model fails to run (a parent reading what the lowered module lacks) is inf, as a lost output is.
 
     The modules of a group, which the search gives one dtype (q/k/v), are lowered together, once per dtype they
     all may keep, and each holds an equal share of that error (error / sqrt(members)): the search adds errors in
@@ -54,9 +58,14 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
             originals = {name: work.get_submodule(name) for name in members}
             with replay.replaying(members) if replay else nullcontext():
                 for dtype in (d for d in shared_dtypes(candidates, members) if d != "fp32"):
-                    for name, original in originals.items():
-                        work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
-                    error = output_error(reference, call(work, inputs))
+                    try:
+                        for name, original in originals.items():
+                            work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
+                        error = output_error(reference, call(work, inputs))
+                    except Exception as exc:  # the model around the unit fails with it lowered: that dtype only
+                        log.warning("%s in %s: the model fails with it (%s: %s), so it stays out of %s",
+                                    unit_name(members), dtype, type(exc).__name__, str(exc)[:200], dtype)
+                        error = math.inf
                     for name, original in originals.items():
                         errors[name][dtype] = error / math.sqrt(len(members))
                         work = replace_module(work, name, original)

@@ -1,0 +1,72 @@
+"""Models whose forward reads attributes of the modules the tuner lowers, as many Hugging Face models do."""
+import logging
+
+import torch
+from conftest import HalfCostMeasurer
+from torch import nn
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.measure.sensitivity import module_sensitivity
+
+X = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+
+
+class ReadsWeightDtype(nn.Module):
+    """T5's feed-forward: the hidden state is cast to the output projection's weight dtype before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        hidden = torch.relu(self.wi(x))
+        return self.wo(hidden.to(self.wo.weight.dtype))
+
+
+class ReadsOwnAttribute(nn.Module):
+    """A parent reading an attribute set on its child that only the child knows (a LoRA-style scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(64, 128), nn.Linear(128, 64)
+        self.wo.scale = 0.5
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x))) * self.wo.scale
+
+
+class RealErrors(HalfCostMeasurer):
+    """Scripted costs (each lowered module half its fp32 time), but output errors measured on the model."""
+
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return module_sensitivity(fp32, candidates, inputs, calibration)
+
+
+def tune(model, storage, dtypes):
+    torch.manual_seed(0)
+    model = model.eval()
+    with torch.no_grad():
+        reference = model(X)
+
+    def fidelity(net):
+        with torch.no_grad():
+            return 1 - ((net(X) - reference).norm() / reference.norm()).item()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.05, max_trials=6,
+                          repeats=3, storage=storage)
+    return autotune(model, config, fidelity, example_inputs=X, measurer=RealErrors(["wi", "wo"])), fidelity
+
+
+def test_a_parent_reading_its_childs_weight_dtype_is_tuned(storage):
+    result, fidelity = tune(ReadsWeightDtype(), storage, ["int8", "bf16", "fp32"])
+    assert result.plan["wo"] != "fp32" and fidelity(result.model) >= 0.95
+
+
+def test_a_dtype_the_model_fails_with_stays_out_of_that_module_alone(storage, caplog):
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result, fidelity = tune(ReadsOwnAttribute(), storage, ["int8", "bf16", "fp32"])
+    # int8 lacks the child's own attribute, a cast module reads it from the module it wraps.
+    assert "wo in int8: the model fails with it (AttributeError" in caplog.text
+    assert result.plan["wo"] == "bf16" and result.plan["wi"] != "fp32"
+    tried = [t.user_attrs["plan"] for t in result.study.trials if "plan" in t.user_attrs]
+    assert any(plan["wi"] == "int8" for plan in tried) and not any(plan["wo"] == "int8" for plan in tried)
+    assert fidelity(result.model) >= 0.95
