@@ -3,6 +3,7 @@ claims shared by workers that share no file system state, and the job queue."""
 from __future__ import annotations
 
 import collections
+import datetime
 import multiprocessing
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import yaml
 from test_resume_kill import cli_env
 
 from autotune.plan import plan_key
+from autotune.search.trials import RUNNER_ATTR
 from autotune.service.jobs import JobQueue
 from autotune.storage.claims import PlanClaims
 from autotune.storage.rdb import open_storage
@@ -91,12 +93,17 @@ def test_two_workers_sharing_nothing_but_postgresql_evaluate_each_plan_once(tmp_
     assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
 
 
-def running_trials(storage: str, name: str) -> int:
+def in_eval_fn(storage: str, name: str, pid: int) -> bool:
+    """Whether process `pid` runs a trial it started under 0.2 s ago: inside its eval_fn call (0.5 s), so a kill
+    now interrupts it (a worker between trials, or timing one, may end it before the kill lands)."""
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
-        return 0
-    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
+        return False
+    now = datetime.datetime.now()
+    return any(f":{pid}:" in trial.user_attrs.get(RUNNER_ATTR, "") and trial.datetime_start
+               and (now - trial.datetime_start).total_seconds() < 0.2
+               for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
 
 
 def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, postgres):
@@ -108,9 +115,9 @@ def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, p
     procs = [subprocess.Popen(tune_command(config, postgres), cwd=tmp_path, env=separate_machine_env(tmp_path, i),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     deadline = time.monotonic() + 120
-    while len(logged_calls(log)) < 3 or running_trials(postgres, "killed") < 2:    # both mid-trial, some done
-        assert time.monotonic() < deadline, "the workers never ran trials side by side"
-        time.sleep(0.1)
+    while len(logged_calls(log)) < 3 or not in_eval_fn(postgres, "killed", procs[0].pid):   # some trials done
+        assert time.monotonic() < deadline, "the first worker was never seen inside an eval_fn call"
+        time.sleep(0.05)
     procs[0].send_signal(signal.SIGKILL)
     survivor = procs[1].communicate(timeout=600)[0]
     procs[0].wait()

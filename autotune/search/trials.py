@@ -297,10 +297,20 @@ class TrialRunner:
         holder = self.claims.holder(key)
         return holder is not None and self.claims.state_of(holder) == TrialState.RUNNING
 
-    def run_queued(self) -> None:
-        """Runs the plans still queued (re-queued after a crash, or left by a stopped worker)."""
-        while self.refresh().waiting:
-            self.run_once()
+    def run_the_rest(self, should_stop: Callable[[], str | None] | None = None) -> None:
+        """Runs what is queued, and waits out the trials other processes are running, so that no trial is left
+        behind and the winner is chosen from all of them: a live one ends; a dead one is failed by the heartbeat
+        check (within grace_period) and its plan, queued again, runs here. `should_stop` giving a reason ends it
+        (a cancelled job)."""
+        while True:
+            fail_stale_trials(self.study, self.config.grace_period)
+            view = self.refresh()
+            if view.waiting:
+                self.run_once()
+            elif not view.running or (should_stop is not None and should_stop()):
+                return
+            else:
+                time.sleep(CLAIM_POLL_S)
 
     def refresh(self) -> studies.TrialsView:
         """Adds plans finished elsewhere (another worker or an earlier run) to what this runner knows; returns

@@ -135,17 +135,19 @@ class TrialsView:
     stale: int = 0                    # see stale_trials
     taken: frozenset[str] = frozenset()   # plans of queued and running trials: their outcomes are coming
     unguided_in_flight: int = 0       # queued and running trials outside the guided phase: stale ones to come
+    running: int = 0                  # trials some process is running now (or was, until its heartbeat is checked)
 
 
 def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> TrialsView:
     finished: dict[str, FrozenTrial] = {}
     failed: set[str] = set()
     done: list[FrozenTrial] = []
-    waiting = unguided_in_flight = 0
+    waiting = unguided_in_flight = running = 0
     taken: set[str] = set()
     for trial in study.get_trials(deepcopy=False):
         if trial.state in (TrialState.WAITING, TrialState.RUNNING):
             waiting += trial.state == TrialState.WAITING
+            running += trial.state == TrialState.RUNNING
             unguided_in_flight += trial.user_attrs.get("source") != "guided"
             taken.add(trial.user_attrs.get(QUEUED_KEY_ATTR) or trial.user_attrs.get(PLAN_KEY_ATTR))
         elif _evaluated(trial):
@@ -155,7 +157,7 @@ def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> 
             else:
                 failed.add(trial_plan_key(trial))
     return TrialsView(finished, failed, waiting, len(done), stale_trials(done, since), frozenset(taken - {None}),
-                      unguided_in_flight)
+                      unguided_in_flight, running)
 
 
 def stale_trials(evaluated: list[FrozenTrial], since: datetime.datetime | None) -> int:
