@@ -27,16 +27,21 @@ def call():
         block.fill_(1.0)
 for _ in range(3):
     call()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     call()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(sorted(faults)[:-1]) / 4)   # the worst call left out
 """
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds fixed are glibc's")
 
 
 def faults_per_call(mode: str) -> float:
+    """Minor page faults a call, over five calls after three warm-up calls, the worst one left out: glibc's
+    defaults fault every other call; fixed thresholds on none once the heap has grown (it may still grow once,
+    late, in one call)."""
     out = subprocess.run([sys.executable, "-c", CALLS, mode], capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
 
