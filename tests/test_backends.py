@@ -120,3 +120,29 @@ def test_a_lowered_module_answers_what_parents_read_of_it(dtype):
     assert type(wrapped) is type(lowered_linear)   # copying is the wrapper's own, not its inner module's
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         assert lowered_linear.no_such_thing is None
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-style Conv1D, as transformers.pytorch_utils defines it: y = x @ W + b, W stored (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
+
+
+@pytest.mark.parametrize("dtype,bound", [("int8", 5e-2), ("bf16", 2e-2)])
+def test_gpt_style_conv1d_is_tuned_by_default_and_lowers_as_the_linear_it_computes(dtype, bound):
+    from autotune import TuningConfig
+    from autotune.discovery import search_candidates
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Conv1D(256, 128)), torch.randn(2, 5, 128)
+    assert dtype in search_candidates(model, TuningConfig())["0"]
+    lowered = get_backend(dtype).apply(model[0], None)
+    with torch.inference_mode():
+        assert relative_error(lowered(x), model(x)) < bound
+    assert weight_bytes(lowered) < weight_bytes(model[0]) / (3 if dtype == "int8" else 1.9)

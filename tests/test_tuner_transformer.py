@@ -58,3 +58,24 @@ def test_mixed_plan_passes_where_all_int8_misses(encoder_and_eval, storage):
     winner = [t for t in trials if trial_plan(t) == result.plan]
     assert len(winner) == 1 and winner[0].user_attrs["passed"]
     assert winner[0].user_attrs["accuracy"] == pytest.approx(result.best.accuracy, abs=1e-6)
+
+
+def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
+    """GPT-2's attention and MLP projections are transformers' Conv1D, not nn.Linear: tuned all the same."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=500, n_positions=64, n_embd=128, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batch = {"input_ids": torch.randint(0, 500, (8, 32), generator=torch.Generator().manual_seed(1))}
+    with torch.inference_mode():
+        reference = model(**batch).logits.flatten(1)
+
+    def fidelity(net):
+        with torch.inference_mode():
+            return torch.nn.functional.cosine_similarity(net(**batch).logits.flatten(1), reference).mean().item()
+
+    tuning = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+                          max_trials=4, repeats=3, storage=storage)
+    result = autotune(model, tuning, fidelity, example_inputs=((), batch))
+    projections = [name for name in result.plan if name.endswith(("attn.c_attn", "attn.c_proj", "mlp.c_fc"))]
+    assert len(projections) == 6 and any(result.plan[name] == "int8" for name in projections)
+    assert fidelity(result.model) >= 0.99

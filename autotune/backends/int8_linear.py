@@ -55,3 +55,26 @@ class Int8DynamicLinearConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return DynamicInt8Linear(module, self.reduce_range, self.engine)
+
+
+def is_gpt_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is transformers' GPT-style Conv1D (GPT-2's projections): y = x @ W + b with W stored
+    (in, out). Told by its class name and fields, so transformers need not be imported."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+@dataclass(frozen=True)
+class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
+    """transformers' GPT-style `Conv1D` in int8, as the `nn.Linear` it computes."""
+
+    def supports(self, module: nn.Module, device: torch.device) -> bool:
+        return is_gpt_conv1d(module) and engine_available(self.engine, device)
+
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+        linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
+        linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)   # a view: packing copies it
+        if module.bias is not None:
+            linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+        return DynamicInt8Linear(linear, self.reduce_range, self.engine)
