@@ -253,7 +253,8 @@ class TrialRunner:
             if key in self.outcomes or key in self.failed:
                 return self.outcomes.get(key)
             if not queued:
-                self.queue(unit_plan, source)
+                if key not in view.taken:   # else queued already: by a process killed before it ran it, or the
+                    self.queue(unit_plan, source)   # retry of a dead trial; a second would only repeat its answer
                 queued = True
                 continue   # read again: another worker may take the queued trial before we do
             if view.waiting:
