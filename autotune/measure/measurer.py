@@ -69,7 +69,8 @@ def _without_lost(sensitivity: PerModule, latency: PerModule) -> PerModule:
     for name, costs in latency.items():
         lost = [d for d, error in sensitivity.get(name, {}).items() if not math.isfinite(error)]
         if lost:
-            log.info("%s: %s lose(s) its output, so it stays out of them", name, ", ".join(lost))
+            log.info("%s stays out of %s: its output is lost there (nan / inf, or the model fails with it)",
+                     name, ", ".join(lost))
         kept[name] = {d: ms for d, ms in costs.items() if d not in lost}
     return kept
 
