@@ -1,10 +1,10 @@
 """Deployment benchmark: the tuned model beside what a user would pick instead, at batch 1 and the eval batch.
 
-    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm] [--quick] [--max-trials N]
+    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm,encoder] [--quick] [--max-trials N]
 
-Per workload (benchmarks/harness.py's real workloads), each candidate is built, scored once with the workload's
-eval_fn, and all of them are timed interleaved in one run per shape, fp32 eager among them (speedups are ratios
-within that run):
+Per workload (benchmarks/harness.py's real workloads; `encoder` is benchmarks/encoder_workload.py), each candidate
+is built, scored once with the workload's eval_fn, and all of them are timed interleaved in one run per shape, fp32
+eager among them (speedups are ratios within that run):
   fp32 eager            the model as given
   torch.compile fp32    `torch.compile(model)`
   quantize_dynamic      `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)`

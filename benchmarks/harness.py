@@ -110,6 +110,11 @@ def real_workload(workload: str, quick: bool):
         return (sentiment.model(), sentiment.sentiment_eval(limit=limit, batch_size=64),
                 sentiment.example_inputs(limit=limit, batch_size=64), ["int8", "bf16", "fp16", "fp32"],
                 int(os.environ.get("MINILM_MAX_TRIALS", "40")), f"MiniLM-L6 sentiment, {limit} sentences")
+    if workload == "encoder":
+        import encoder_workload as encoder
+        fp32 = encoder.model()
+        return (fp32, encoder.agreement_eval(fp32), encoder.example_inputs(), ["int8", "bf16", "fp16", "fp32"], 40,
+                "nn.TransformerEncoder classifier (random weights, top-1 agreement with fp32)")
     raise SystemExit(f"unknown workload {workload!r}")
 
 
