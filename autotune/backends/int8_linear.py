@@ -57,7 +57,7 @@ class Int8DynamicLinearConfig(Technique):
         return DynamicInt8Linear(module, self.reduce_range, self.engine)
 
 
-def is_gpt_conv1d(module: nn.Module) -> bool:
+def _is_gpt_conv1d(module: nn.Module) -> bool:
     """Whether `module` is transformers' GPT-style Conv1D (GPT-2's projections): y = x @ W + b with W stored
     (in, out). Told by its class name and fields, so transformers need not be imported."""
     weight = getattr(module, "weight", None)
@@ -70,7 +70,7 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
     """transformers' GPT-style `Conv1D` in int8, as the `nn.Linear` it computes."""
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return is_gpt_conv1d(module) and engine_available(self.engine, device)
+        return _is_gpt_conv1d(module) and engine_available(self.engine, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotune.backends.int8_linear import is_gpt_conv1d
 from autotune.capture import call
 from autotune.engines.base import Calibration, EngineUnavailable, compile_model
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 
 REALISED = {"int8", "fp32"}
+QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
 
 
 def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -59,9 +59,11 @@ class CompiledEngine:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
-        gpt_conv1d = [n for n, dtype in plan.items() if dtype == "int8" and is_gpt_conv1d(fp32.get_submodule(n))]
-        if gpt_conv1d:   # its addmm is no pattern the quantizer annotates: the plan would run them in fp32
-            raise EngineUnavailable(f"the compiled engine does not quantise transformers' Conv1D ({gpt_conv1d[0]})")
+        other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
+        if other:   # no pattern the quantizer annotates (transformers' Conv1D is an addmm): they would stay fp32
+            module = fp32.get_submodule(other[0])
+            raise EngineUnavailable(f"the compiled engine quantises nn.Linear and nn.Conv2d only, not "
+                                    f"{type(module).__name__} ({other[0]})")
         quantizer = xiq.X86InductorQuantizer()
         quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=False))
         for name, dtype in plan.items():
