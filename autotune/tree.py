@@ -11,7 +11,9 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[
     """`value` with each tensor in it replaced by `fn(tensor)`, and each other leaf by `other(leaf)` if given."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+    if isinstance(value, tuple) and hasattr(value, "_make"):   # a namedtuple, e.g. an RNN's PackedSequence
+        return value._make(map_tensors(item, fn, other) for item in value)
+    if isinstance(value, (list, tuple)):
         return type(value)(map_tensors(item, fn, other) for item in value)
     if isinstance(value, dict):
         return type(value)({key: map_tensors(item, fn, other) for key, item in value.items()})

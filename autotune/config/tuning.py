@@ -82,7 +82,7 @@ class MixedPrecisionConfig(ConfigModel):
 
     dtype: list[DtypeName] = Field(default_factory=lambda: ["int8", "bf16", "fp32"], min_length=1)
     module_types: list[str] = Field(
-        default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d", "Conv1D"], min_length=1,
+        default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "LSTM", "GRU"], min_length=1,
         description="class names (or dotted import paths) of the modules to tune; Conv1D is transformers' "
                     "GPT-style projection")
     include: list[str] = Field(default_factory=list, description="only modules matching one of these")
