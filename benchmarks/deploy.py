@@ -1,13 +1,14 @@
 """Deployment benchmark: the tuned model beside what a user would pick instead, at batch 1 and the eval batch.
 
-    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm,encoder] [--quick] [--max-trials N]
+    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm,encoder,lstm,gru] [--quick] [--max-trials N]
 
-Per workload (benchmarks/harness.py's real workloads; `encoder` is benchmarks/encoder_workload.py), each candidate
+Per workload (benchmarks/harness.py's real workloads; `encoder` is benchmarks/encoder_workload.py, `lstm` and `gru`
+benchmarks/rnn_workload.py), each candidate
 is built, scored once with the workload's eval_fn, and all of them are timed interleaved in one run per shape, fp32
 eager among them (speedups are ratios within that run):
   fp32 eager            the model as given
   torch.compile fp32    `torch.compile(model)`
-  quantize_dynamic      `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)`
+  quantize_dynamic      `torch.ao.quantization.quantize_dynamic(model, {nn.Linear, nn.LSTM, nn.GRU}, dtype=torch.qint8)`
   pt2e int8 + inductor  torchao's X86InductorQuantizer over the whole model (static ranges from the first 4 batches
                         eval_fn feeds it), then `torch.compile`: the uniform int8 plan of autotune's compiled engine
   INC int8              Intel Neural Compressor 3.x `autotune` over its static then dynamic PT2E int8 config sets
@@ -47,6 +48,7 @@ from autotune.capture import as_call_inputs, run_capturing  # noqa: E402
 from autotune.clone import clone  # noqa: E402
 from autotune.discovery import search_candidates  # noqa: E402
 from autotune.engines import Calibration, CompiledEngine, compile_model  # noqa: E402
+from autotune.engines.pt2e import QUANTISED  # noqa: E402
 from autotune.measure import measure_latency, steady_allocation  # noqa: E402
 from autotune.measure.shapes import batch_size, resize_batch  # noqa: E402
 
@@ -56,7 +58,7 @@ def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_tr
 
     def pt2e():
         plan = {name: "int8" for name in search_candidates(fp32, TuningConfig(config_set=MixedPrecisionConfig(
-            dtype=["int8", "fp32"])))}
+            dtype=["int8", "fp32"]))) if type(fp32.get_submodule(name)) in QUANTISED}   # what the quantizer takes
         engine = CompiledEngine()
         pt2e_built.append(engine.build(fp32, plan, Calibration(batches, {})))
         return engine.runnable(pt2e_built[-1])
@@ -64,7 +66,7 @@ def peers(fp32: nn.Module, eval_fn, example, batches: list, shapes: dict, max_tr
     found = [Candidate("fp32 eager", fp32, fp32, 0.0),
              warmed("torch.compile fp32", lambda: compile_model(copy.deepcopy(fp32), alone=True), lambda m: m, shapes),
              warmed("quantize_dynamic int8", lambda: torch.ao.quantization.quantize_dynamic(
-                 copy.deepcopy(fp32), {nn.Linear}, dtype=torch.qint8), lambda m: m, shapes),
+                 copy.deepcopy(fp32), {nn.Linear, nn.LSTM, nn.GRU}, dtype=torch.qint8), lambda m: m, shapes),
              warmed("pt2e int8 + inductor (uniform)", pt2e, lambda _m: pt2e_built[-1], shapes)]
     return found + [_inc(fp32, eval_fn, example, max_trials, shapes)]
 

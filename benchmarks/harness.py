@@ -115,6 +115,11 @@ def real_workload(workload: str, quick: bool):
         fp32 = encoder.model()
         return (fp32, encoder.agreement_eval(fp32), encoder.example_inputs(), ["int8", "bf16", "fp16", "fp32"], 40,
                 "nn.TransformerEncoder classifier (random weights, top-1 agreement with fp32)")
+    if workload in ("lstm", "gru"):
+        import rnn_workload as rnn
+        fp32 = rnn.model(workload)
+        return (fp32, rnn.agreement_eval(fp32), rnn.example_inputs(), ["int8", "bf16", "fp16", "fp32"], 40,
+                f"{workload.upper()} classifier on packed sequences (random weights, top-1 agreement with fp32)")
     raise SystemExit(f"unknown workload {workload!r}")
 
 
