@@ -51,3 +51,46 @@ def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest
     assert trial_ratios[:3] == pytest.approx([0.55, 0.6, 0.65]) and max(trial_ratios) == pytest.approx(0.9)
     assert result.plan == UNIFORM
     assert result.best.latency.median_ms == pytest.approx(FP32_MS * 0.5)
+
+
+class EngineBlindMeasurer(ScriptedMeasurer):
+    """Two modules; re-timed, plan `FLAKY` is fastest in both engines that build plans as the trials ran them."""
+
+    def __init__(self, ratios):
+        self.ratios = ratios
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.5, "fp32": 1.0} for name in candidates}
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        # torch.compile wraps the model it is given: the plan is read from the module inside
+        return {name: LatencyStats(FP32_MS * self.ratios(plan_of(getattr(model, "_orig_mod", model), ["0", "1"])),
+                                   0.0, repeats) for name, model in models.items()}
+
+
+def test_a_finalist_whose_model_computes_what_a_rejected_ones_did_costs_no_eval_fn_call(tmp_path):
+    """The inductor engine builds as the eager one does and compiles only what it times: its finalists score
+    exactly as eager's. One that missed in one engine is not evaluated again in the other, nor a plan whose trial
+    failed."""
+    flaky, uniform = {"0": "int8", "1": "fp32"}, {"0": "int8", "1": "int8"}
+    order = {plan_key(flaky): 0.4, plan_key(uniform): 0.3, plan_key({"0": "fp32", "1": "int8"}): 0.6}
+    calls, inputs = [], torch.randn(2, 8)
+
+    def eval_fn(model):
+        model(inputs)
+        plan = plan_of(model, ["0", "1"])
+        calls.append(plan_key(plan))
+        if plan == uniform:
+            return 0.0                                  # its trial fails
+        return 0.0 if plan == flaky and calls.count(plan_key(flaky)) > 1 else 1.0   # passes once, then misses
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+                          max_trials=10, engines=["eager", "inductor"], storage=f"sqlite:///{tmp_path}/v.db",
+                          study_name="v", compile_cache=str(tmp_path / "cache"))
+    result = autotune(model, config, eval_fn,
+                      measurer=EngineBlindMeasurer(lambda plan: order.get(plan_key(plan), 1.0)))
+    assert result.plan == {"0": "fp32", "1": "int8"}
+    assert calls.count(plan_key(uniform)) == 1       # its trial: never a finalist after it failed
+    assert calls.count(plan_key(flaky)) == 2         # its trial, and one re-evaluation for both engines

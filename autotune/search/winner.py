@@ -11,7 +11,16 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
-from autotune.engines import KNOBS, Calibration, CompileCache, Engine, EngineUnavailable, Knob, get_engine
+from autotune.engines import (
+    KNOBS,
+    Calibration,
+    CompileCache,
+    EagerEngine,
+    Engine,
+    EngineUnavailable,
+    Knob,
+    get_engine,
+)
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
@@ -62,7 +71,7 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
     known = {plan_key(plan) for plan in plans.values()}
-    if engine.name == "eager":   # the trials ran eager: an evaluated plan is a finalist above by its outcome or not
+    if _builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
         known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
     for dtype, plan in uniform.items():
         if plan_key(plan) not in known and engine.unsupported(plan) is None:
@@ -195,11 +204,17 @@ def verified_winner(runner: TrialRunner) -> Winner:
     by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, config.repeats,
                                 warmup=0)
     ratio = {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes) for name in ["fp32", *models]}
+    rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
             break
-        runner.eval_calls += 1
         finalist = candidates[name]
+        numerics = _numerics(finalist)
+        if numerics in rejected:
+            log.info("%s is not evaluated: its model computes what %s's did", name, rejected[numerics])
+            continue
+        rejected[numerics] = name    # until it passes, when the search ends
+        runner.eval_calls += 1
         try:
             accuracy = score_of(call_with_timeout(runner.eval_fn, clone(finalist.built), config.trial_timeout))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
@@ -213,6 +228,18 @@ def verified_winner(runner: TrialRunner) -> Winner:
                     config.tolerable_loss)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
     return Winner(_fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+
+
+def _builds_as_trials(engine: Engine) -> bool:
+    """Whether `engine` builds plans as the trials ran them (modules swapped, eagerly), so that what accuracy is
+    measured on is the same model: the eager engine, and the inductor engine, which compiles only what it times."""
+    return type(engine).build is EagerEngine.build
+
+
+def _numerics(finalist: Finalist) -> tuple:
+    """Finalists with equal keys score alike: their `built` models, what accuracy is measured on, are one plan
+    with the same knobs built by one build method."""
+    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), finalist.knobs
 
 
 def _fp32_plan(runner: TrialRunner) -> Plan:
