@@ -146,3 +146,31 @@ def test_gpt_style_conv1d_is_tuned_by_default_and_lowers_as_the_linear_it_comput
     with torch.inference_mode():
         assert relative_error(lowered(x), model(x)) < bound
     assert weight_bytes(lowered) < weight_bytes(model[0]) / (3 if dtype == "int8" else 1.9)
+
+
+def test_a_model_whose_every_module_is_int8_keeps_its_biases_as_parameters(storage):
+    """Eval code often takes the model's device from `next(model.parameters())`: a plan lowering every module
+    to int8 must not fail there (torch's own quantized modules have no parameters)."""
+    from conftest import HalfCostMeasurer
+
+    from autotune import MixedPrecisionConfig, TuningConfig, autotune
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval(), \
+        torch.randn(2, 3, 8, 8)
+    reference = model(x).detach()
+
+    def eval_fn(net):
+        device = next(net.parameters()).device
+        with torch.no_grad():
+            return 1 - ((net(x.to(device)) - reference).norm() / reference.norm()).item()
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+                          max_trials=3, storage=storage)
+    result = autotune(model, config, eval_fn, measurer=HalfCostMeasurer(["0", "3"]))
+    assert result.plan == {"0": "int8", "3": "int8"}
+    assert not [t for t in result.study.trials if t.state.name == "FAIL"]
+    # the float biases, copies of the model's: the int8 weights stay packed
+    names = dict(result.model.named_parameters())
+    assert set(names) == {"0.bias", "3.bias"} and torch.equal(names["3.bias"], model[3].bias)
+    assert names["3.bias"].data_ptr() != model[3].bias.data_ptr() and not names["3.bias"].requires_grad
+    assert weight_bytes(result.model) < weight_bytes(model) / 3

@@ -74,6 +74,10 @@ def test_int8_rnn_shrinks_weights_shares_them_between_copies_and_survives_save()
     with torch.inference_mode():
         assert torch.equal(restored(x)[0], lowered(x)[0])
     assert restored.hidden_size == 128 and restored.num_layers == 2 and restored.batch_first
+    # its float biases stay parameters, named as torch's (the weights are packed)
+    biases = dict(lowered.named_parameters())
+    assert set(biases) == {n for n, _ in rnn.named_parameters() if n.startswith("bias")}
+    assert all(torch.equal(b, getattr(rnn, n)) for n, b in biases.items())
 
 
 def test_int8_takes_the_rnns_fbgemm_has_cells_for():

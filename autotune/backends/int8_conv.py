@@ -15,7 +15,6 @@ from autotune.backends.quantized import (
     affine_qparams,
     engine_available,
     per_channel_qweight,
-    qint8_nbytes,
     quantized_engine,
 )
 
@@ -36,13 +35,13 @@ class StaticInt8Conv2d(PackedInt8):
         with quantized_engine(engine):
             self._packed = torch.ops.quantized.conv2d_prepack(
                 qweight, bias, list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
-        self._nbytes = qint8_nbytes(qweight, bias)
+        self._keep(qweight, bias)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
             setattr(self, name, getattr(conv, name))     # what parents read of a conv (Whisper: conv1.stride)
 
-    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.ops.quantized.conv2d_unpack(self._packed)
+    def _unpack(self) -> torch.Tensor:
+        return torch.ops.quantized.conv2d_unpack(self._packed)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         unbatched = x.dim() == 3

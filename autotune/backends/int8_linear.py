@@ -13,7 +13,6 @@ from autotune.backends.quantized import (
     PackedInt8,
     engine_available,
     per_channel_qweight,
-    qint8_nbytes,
     quantized_engine,
 )
 
@@ -29,10 +28,10 @@ class DynamicInt8Linear(PackedInt8):
         qweight = per_channel_qweight(linear.weight)
         with quantized_engine(engine):
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        self._nbytes = qint8_nbytes(qweight, bias)
+        self._keep(qweight, bias)
 
-    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.ops.quantized.linear_unpack(self._packed)
+    def _unpack(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack(self._packed)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range)

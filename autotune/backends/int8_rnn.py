@@ -34,10 +34,13 @@ class DynamicInt8RNN(nn.Module):
                     packed, biases = [], []
                     for kind in ("ih", "hh"):
                         qweight = per_channel_qweight(getattr(rnn, f"weight_{kind}_l{layer}{suffix}"))
-                        bias = getattr(rnn, f"bias_{kind}_l{layer}{suffix}").detach().float()
+                        name = f"bias_{kind}_l{layer}{suffix}"
+                        bias = getattr(rnn, name).detach().float()
                         packed.append(torch.ops.quantized.linear_prepack(qweight, bias))
                         biases.append(bias)
-                        self._nbytes += qint8_nbytes(qweight, bias)
+                        self._nbytes += qint8_nbytes(qweight, None)
+                        # as PackedInt8 keeps its bias: the model keeps parameters, named as torch's
+                        self.register_parameter(name, nn.Parameter(bias.clone(), requires_grad=False))
                     self._cells.append(torch.ops.quantized.make_quantized_cell_params_dynamic(
                         *packed, *biases, reduce_range))
 

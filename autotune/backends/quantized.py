@@ -63,9 +63,11 @@ def qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
 class PackedInt8(nn.Module):
     """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them.
 
-    `weight` and `bias` read as the float tensors the int8 ones stand for, dequantised on first read and then
-    kept: parents read their children's (`self.wo.weight.dtype` in T5, a tied use). The module runs the packed
-    int8 weights; `weight_nbytes` counts those alone."""
+    `weight` reads as the float tensor the int8 one stands for, dequantised on first read and then kept: parents
+    read their children's (`self.wo.weight.dtype` in T5, a tied use). `bias` is the float bias, a frozen
+    parameter beside the kernels' own copy, so a model whose every parametrised module is int8 still has
+    parameters (eval code takes its device from `next(model.parameters())`). `weight_nbytes` counts the int8
+    weights and their scales; the bias counts as a parameter."""
 
     _packed: torch.ScriptObject
     _nbytes: int
@@ -77,20 +79,17 @@ class PackedInt8(nn.Module):
     def weight_nbytes(self) -> int:
         return self._nbytes
 
-    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(int8 weight, float bias) out of the packed weights."""
-        raise NotImplementedError
+    def _keep(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Registers the float bias and counts the int8 weight's bytes (after packing them)."""
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.clone(), requires_grad=False))
+        self._nbytes = qint8_nbytes(qweight, None)
 
-    def _float(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if "_floats" not in self.__dict__:
-            qweight, bias = self._unpack()
-            self.__dict__["_floats"] = (qweight.dequantize(), bias)
-        return self.__dict__["_floats"]
+    def _unpack(self) -> torch.Tensor:
+        """The int8 weight out of the packed weights."""
+        raise NotImplementedError
 
     @property
     def weight(self) -> torch.Tensor:
-        return self._float()[0]
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self._float()[1]
+        if "_float_weight" not in self.__dict__:
+            self.__dict__["_float_weight"] = self._unpack().dequantize()
+        return self.__dict__["_float_weight"]
