@@ -325,6 +325,22 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
         assert torch.equal(reread(x), built(x))
 
 
+def test_a_finalist_torch_save_cannot_pickle_is_used_unkept(tmp_path, caplog):
+    """weight_norm (audio models: Wav2Vec2's positional convolution) makes a module torch.save refuses: the
+    finalist is built and used all the same, only not kept for a resumed run."""
+    from autotune.engines import CompileCache
+
+    model = mlp()
+    nn.utils.parametrizations.weight_norm(model[2])
+    plan = {"0": "int8", "2": "fp32", "4": "bf16"}
+    built = CompileCache(tmp_path).build(get_engine("inductor"), model, plan, Calibration(batches(), {}),
+                                         batches(1)[0])
+    assert "cannot keep" in caplog.text and not list(tmp_path.iterdir())
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        assert torch.allclose(built(x), model(x), atol=0.1)
+
+
 @torch.compiler.disable
 def _eager_step(x):
     return x + 1

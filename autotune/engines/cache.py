@@ -23,6 +23,7 @@ COMPILER_ARTEFACTS = "compiler.bin"
 class CompileCache:
     def __init__(self, folder: Path | None):
         self.folder = folder   # None: nothing is kept
+        self.unkept: list[str] = []   # finalists built but not kept: torch.save could not pickle them
 
     @classmethod
     def for_study(cls, root: str | None, study_name: str) -> CompileCache:
@@ -43,7 +44,15 @@ class CompileCache:
         built = engine.build(with_knobs(fp32, knobs), plan, calibration)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
-        engine.save(built, inputs, str(partial))
+        try:
+            engine.save(built, inputs, str(partial))
+        except Exception as exc:  # a model torch.save cannot pickle (parametrized modules, e.g. weight_norm)
+            partial.unlink(missing_ok=True)
+            if not self.unkept:    # the same for every finalist of the model: said once
+                log.warning("compile cache: cannot keep this model's finalists (%s: %s); a resumed run builds them "
+                            "again", type(exc).__name__, str(exc).split("\n")[0])
+            self.unkept.append(path.name)
+            return built
         partial.replace(path)
         return built
 
