@@ -174,3 +174,18 @@ def test_a_model_whose_every_module_is_int8_keeps_its_biases_as_parameters(stora
     assert set(names) == {"0.bias", "3.bias"} and torch.equal(names["3.bias"], model[3].bias)
     assert names["3.bias"].data_ptr() != model[3].bias.data_ptr() and not names["3.bias"].requires_grad
     assert weight_bytes(result.model) < weight_bytes(model) / 3
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 40), (16, 40)])    # batched and unbatched
+def test_static_int8_conv1d_runs_as_the_conv2d_of_height_one_it_equals(shape):
+    torch.manual_seed(0)
+    conv, x = nn.Conv1d(16, 32, 5, stride=2, padding=2, groups=2), torch.randn(*shape)
+    int8 = get_backend("int8")
+    assert int8.supports(conv, CPU) and not int8.supports(nn.Conv1d(16, 8, 3, padding="same"), CPU)
+    lowered = int8.apply(copy.deepcopy(conv), ((x,), {}))
+    with torch.inference_mode():
+        out = lowered(x)
+        assert out.shape == conv(x).shape and relative_error(out, conv(x)) < 5e-2
+    # what parents read of a Conv1d: its own geometry and (dequantised) 1-d weight
+    assert lowered.stride == (2,) and lowered.kernel_size == (5,) and lowered.weight.shape == conv.weight.shape
+    assert relative_error(lowered.weight, conv.weight) < 1e-2 and weight_bytes(lowered) < weight_bytes(conv) / 2

@@ -8,7 +8,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs, Technique, technique_of
 from autotune.backends.cast import CastConfig, KeepFp32Config
-from autotune.backends.int8_conv import Int8StaticConv2dConfig
+from autotune.backends.int8_conv import Int8StaticConv1dConfig, Int8StaticConv2dConfig
 from autotune.backends.int8_linear import Int8DynamicConv1DConfig, Int8DynamicLinearConfig
 from autotune.backends.int8_rnn import Int8DynamicRNNConfig
 from autotune.errors import PlanError
@@ -87,11 +87,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torch.float16),
-                   Int8StaticConv2dConfig(), Int8DynamicLinearConfig(), Int8DynamicConv1DConfig(),
+for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torch.float16), Int8StaticConv2dConfig(),
+                   Int8StaticConv1dConfig(), Int8DynamicLinearConfig(), Int8DynamicConv1DConfig(),
                    Int8DynamicRNNConfig()):
     register_technique(_technique)
 
 __all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicConv1DConfig", "Int8DynamicLinearConfig",
-           "Int8DynamicRNNConfig", "Int8StaticConv2dConfig", "KeepFp32Config", "Technique", "dtype_names", "dtype_of",
-           "get_backend", "register_technique", "technique_of", "unregister_technique"]
+           "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig", "KeepFp32Config", "Technique",
+           "dtype_names", "dtype_of", "get_backend", "register_technique", "technique_of", "unregister_technique"]

@@ -1,5 +1,5 @@
-"""int8 Conv2d with static activation quantisation: input and output ranges calibrated on the inputs the
-module really saw."""
+"""int8 Conv2d and Conv1d with static activation quantisation: input and output ranges calibrated on the inputs
+the module really saw. A Conv1d runs as the Conv2d of height 1 it equals (FBGEMM has no 1-d quantized conv)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,6 +54,28 @@ class StaticInt8Conv2d(PackedInt8):
         return f"{self.summary}, int8 static"
 
 
+class StaticInt8Conv1d(StaticInt8Conv2d):
+    """Conv1d with int8 weights and calibrated int8 activations, run as a Conv2d over (N, C, 1, L)."""
+
+    def __init__(self, conv: nn.Conv1d, calibration: CallInputs, reduce_range: bool, engine: str):
+        as_2d = nn.Conv2d(conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]), (1, conv.stride[0]),
+                          (0, conv.padding[0]), (1, conv.dilation[0]), conv.groups, conv.bias is not None,
+                          device="meta")
+        as_2d.weight = nn.Parameter(conv.weight.detach().unsqueeze(2), requires_grad=False)
+        if conv.bias is not None:
+            as_2d.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+        super().__init__(as_2d, ((calibration[0][0].unsqueeze(-2),), {}), reduce_range, engine)
+        self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
+        for name in ("kernel_size", "stride", "padding", "dilation"):
+            setattr(self, name, getattr(conv, name))     # the Conv1d's own, as parents read them
+
+    def _unpack(self) -> torch.Tensor:
+        return super()._unpack().squeeze(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.unsqueeze(-2)).squeeze(-2)
+
+
 @dataclass(frozen=True)
 class Int8StaticConv2dConfig(Technique):
     """`nn.Conv2d` in int8, activation ranges calibrated on the inputs the module saw (min / max)."""
@@ -70,3 +92,17 @@ class Int8StaticConv2dConfig(Technique):
         if calibration is None:
             raise ValueError("int8 Conv2d needs the inputs the module saw, for calibration")
         return StaticInt8Conv2d(module, calibration, self.reduce_range, self.engine)
+
+
+@dataclass(frozen=True)
+class Int8StaticConv1dConfig(Int8StaticConv2dConfig):
+    """`nn.Conv1d` in int8 (audio front ends, temporal convolutions), calibrated as the Conv2d config is."""
+
+    def supports(self, module: nn.Module, device: torch.device) -> bool:
+        return (type(module) is nn.Conv1d and module.padding_mode == "zeros"
+                and not isinstance(module.padding, str) and engine_available(self.engine, device))
+
+    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
+        if calibration is None:
+            raise ValueError("int8 Conv1d needs the inputs the module saw, for calibration")
+        return StaticInt8Conv1d(module, calibration, self.reduce_range, self.engine)
