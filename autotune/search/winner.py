@@ -60,8 +60,8 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
     wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
 
-    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (the eager engine, in which
-    the trials ran, those they did not evaluate): the search predicts costs from modules timed alone, which
+    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (an engine building plans as
+    the trials ran them, those they did not evaluate): the search predicts costs from modules timed alone, which
     misses what they do to their neighbours (on MiniLM three bf16 modules predicted faster than int8 made the
     model slower than all-int8) and what a compiler fuses (int8 convolutions, slower alone, fused by inductor).
     Such a plan is re-evaluated before it can win, like every finalist."""
