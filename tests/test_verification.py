@@ -94,3 +94,39 @@ def test_a_finalist_whose_model_computes_what_a_rejected_ones_did_costs_no_eval_
     assert result.plan == {"0": "fp32", "1": "int8"}
     assert calls.count(plan_key(uniform)) == 1       # its trial: never a finalist after it failed
     assert calls.count(plan_key(flaky)) == 2         # its trial, and one re-evaluation for both engines
+
+
+class ComputesOtherwiseCompiled(nn.Module):
+    """Its compiled forward adds 1: the score of what is returned tells whether it was evaluated compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + (1.0 if torch.compiler.is_compiling() else 0.0)
+
+
+class InductorFastest(ScriptedMeasurer):
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.5, "fp32": 1.0} for name in candidates}
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        return {name: LatencyStats(FP32_MS * (1.0 if name == "fp32" else 0.5 if "(inductor)" in name else 0.8),
+                                   0.0, repeats) for name in models}
+
+
+def test_the_accuracy_reported_is_the_returned_models_as_it_runs_compiled(tmp_path):
+    torch.manual_seed(0)
+    inputs = torch.randn(4, 8)
+
+    def eval_fn(model):
+        with torch.no_grad():
+            return 10 + float(model(inputs).mean())
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+                          max_trials=4, engines=["eager", "inductor"], storage=f"sqlite:///{tmp_path}/v.db",
+                          study_name="v", compile_cache=None)
+    result = autotune(ComputesOtherwiseCompiled().eval(), config, eval_fn, measurer=InductorFastest())
+    assert result.engine == "inductor"
+    assert result.best.accuracy == pytest.approx(eval_fn(result.model)) and result.best.accuracy > 10.5

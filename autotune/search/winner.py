@@ -37,8 +37,8 @@ log = logging.getLogger("autotune")
 class Finalist:
     plan: Plan
     engine: str
-    built: nn.Module        # reference numerics: what accuracy is measured on
-    runnable: nn.Module     # what is timed and returned
+    built: nn.Module        # the plan as built, before any compiling: what export / apply save
+    runnable: nn.Module     # what is timed, evaluated and returned
     setup_s: float          # building it and its first calls (compilation) at every shape
     knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
 
@@ -216,7 +216,8 @@ def verified_winner(runner: TrialRunner) -> Winner:
         rejected[numerics] = name    # until it passes, when the search ends
         runner.eval_calls += 1
         try:
-            accuracy = score_of(call_with_timeout(runner.eval_fn, clone(finalist.built), config.trial_timeout))
+            # The model returned, as it runs (compiled where its engine compiles): its score is the one reported.
+            accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, config.trial_timeout))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
             log.warning("%s: re-evaluation failed (%s: %s); trying the next", name, type(exc).__name__, exc)
             continue
@@ -237,8 +238,8 @@ def _builds_as_trials(engine: Engine) -> bool:
 
 
 def _numerics(finalist: Finalist) -> tuple:
-    """Finalists with equal keys score alike: their `built` models, what accuracy is measured on, are one plan
-    with the same knobs built by one build method."""
+    """Finalists with equal keys score alike, to the rounding compiling changes: their `built` models are one
+    plan with the same knobs built by one build method (the search itself judged plans eagerly)."""
     return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), finalist.knobs
 
 
