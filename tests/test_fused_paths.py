@@ -65,11 +65,25 @@ def test_an_encoder_is_tuned_and_the_attention_projections_it_never_calls_are_le
     def fidelity(net):
         return 1 - ((run(net, call_inputs) - reference).norm() / reference.norm()).item()
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
-                          max_trials=4, repeats=3, storage=storage)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"], module_types=["Linear"]),
+                          tolerable_loss=0.05, max_trials=4, repeats=3, storage=storage)
     with caplog.at_level(logging.INFO, logger="autotune"):
         result = autotune(model, config, fidelity, example_inputs=call_inputs, measurer=HalfCostMeasurer(LINEARS))
     assert sorted(result.plan) == sorted(LINEARS)            # no self_attn.out_proj: MultiheadAttention reads it
     assert "int8" in result.plan.values()
     assert "never called by the forward" in caplog.text and "self_attn.out_proj" in caplog.text
     assert fidelity(result.model) >= 1 - 0.05
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_is_one_unit_with_its_projections_and_runs_lowered_inside_its_layer(padded):
+    from autotune.discovery import search_candidates
+    model, call_inputs = Encoder().eval(), inputs(padded)
+    candidates = search_candidates(model, TuningConfig())
+    attention = [f"enc.layers.{i}.self_attn" for i in range(2)]
+    assert all("bf16" in candidates[name] and "int8" not in candidates[name] for name in attention)
+    assert not [name for name in candidates if "out_proj" in name]     # the attention owns it
+    reference = run(model, call_inputs)
+    tuned = apply_plan(model, dict.fromkeys(attention, "bf16"), record_module_inputs(model, attention, call_inputs))
+    output = run(tuned, call_inputs)
+    assert torch.allclose(output, reference, atol=0.05) and not torch.equal(output, reference)
