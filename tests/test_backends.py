@@ -54,7 +54,7 @@ def test_supports_reports_what_each_backend_can_run():
     int8, bf16 = get_backend("int8"), get_backend("bf16")
     assert int8.supports(nn.Linear(4, 4), CPU) and int8.supports(nn.Conv2d(1, 1, 3), CPU)
     assert not int8.supports(nn.LayerNorm(4), CPU)
-    assert not int8.supports(nn.Conv2d(1, 1, 3, padding="same"), CPU)
+    assert not int8.supports(nn.Conv2d(1, 1, 4, padding="same"), CPU)     # pads one side more: no int8 kernel
     assert not int8.supports(nn.Linear(4, 4), torch.device("cuda"))
     assert bf16.supports(nn.LayerNorm(4), CPU) and not bf16.supports(nn.ReLU(), CPU)
 
@@ -181,7 +181,7 @@ def test_static_int8_conv1d_runs_as_the_conv2d_of_height_one_it_equals(shape):
     torch.manual_seed(0)
     conv, x = nn.Conv1d(16, 32, 5, stride=2, padding=2, groups=2), torch.randn(*shape)
     int8 = get_backend("int8")
-    assert int8.supports(conv, CPU) and not int8.supports(nn.Conv1d(16, 8, 3, padding="same"), CPU)
+    assert int8.supports(conv, CPU) and not int8.supports(nn.Conv1d(16, 8, 3, padding_mode="circular"), CPU)
     lowered = int8.apply(copy.deepcopy(conv), ((x,), {}))
     with torch.inference_mode():
         out = lowered(x)
@@ -189,3 +189,20 @@ def test_static_int8_conv1d_runs_as_the_conv2d_of_height_one_it_equals(shape):
     # what parents read of a Conv1d: its own geometry and (dequantised) 1-d weight
     assert lowered.stride == (2,) and lowered.kernel_size == (5,) and lowered.weight.shape == conv.weight.shape
     assert relative_error(lowered.weight, conv.weight) < 1e-2 and weight_bytes(lowered) < weight_bytes(conv) / 2
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Conv1d(8, 16, 5, padding="same", dilation=2),
+                                  lambda: nn.Conv2d(8, 16, 3, padding="same"),
+                                  lambda: nn.Conv2d(8, 16, 3, padding="valid"),
+                                  lambda: nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 16, 3, padding=1)),
+                                  lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 16))])
+def test_int8_takes_string_padding_and_weight_norm_as_the_convolutions_they_compute(make):
+    torch.manual_seed(0)
+    module = make().eval()
+    x = torch.randn(2, 8, 20) if isinstance(module, nn.Conv1d) else torch.randn(2, 8, 12, 12) \
+        if isinstance(module, nn.Conv2d) else torch.randn(4, 8)
+    int8 = get_backend("int8")
+    assert int8.supports(module, CPU)
+    lowered = int8.apply(module, ((x,), {}))
+    with torch.inference_mode():
+        assert relative_error(lowered(x), module(x)) < 5e-2

@@ -14,7 +14,9 @@ from autotune.backends.quantized import (
     activation_qmax,
     affine_qparams,
     engine_available,
+    explicit_padding,
     per_channel_qweight,
+    plain_type,
     quantized_engine,
 )
 
@@ -34,7 +36,7 @@ class StaticInt8Conv2d(PackedInt8):
         qweight = per_channel_qweight(conv.weight)
         with quantized_engine(engine):
             self._packed = torch.ops.quantized.conv2d_prepack(
-                qweight, bias, list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups)
+                qweight, bias, list(conv.stride), list(explicit_padding(conv)), list(conv.dilation), conv.groups)
         self._keep(qweight, bias)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
@@ -59,7 +61,7 @@ class StaticInt8Conv1d(StaticInt8Conv2d):
 
     def __init__(self, conv: nn.Conv1d, calibration: CallInputs, reduce_range: bool, engine: str):
         as_2d = nn.Conv2d(conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]), (1, conv.stride[0]),
-                          (0, conv.padding[0]), (1, conv.dilation[0]), conv.groups, conv.bias is not None,
+                          (0, explicit_padding(conv)[0]), (1, conv.dilation[0]), conv.groups, conv.bias is not None,
                           device="meta")
         as_2d.weight = nn.Parameter(conv.weight.detach().unsqueeze(2), requires_grad=False)
         if conv.bias is not None:
@@ -85,8 +87,8 @@ class Int8StaticConv2dConfig(Technique):
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return (type(module) is nn.Conv2d and module.padding_mode == "zeros"
-                and not isinstance(module.padding, str) and engine_available(self.engine, device))
+        return (plain_type(module) is nn.Conv2d and module.padding_mode == "zeros"
+                and explicit_padding(module) is not None and engine_available(self.engine, device))
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:
@@ -99,8 +101,8 @@ class Int8StaticConv1dConfig(Int8StaticConv2dConfig):
     """`nn.Conv1d` in int8 (audio front ends, temporal convolutions), calibrated as the Conv2d config is."""
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return (type(module) is nn.Conv1d and module.padding_mode == "zeros"
-                and not isinstance(module.padding, str) and engine_available(self.engine, device))
+        return (plain_type(module) is nn.Conv1d and module.padding_mode == "zeros"
+                and explicit_padding(module) is not None and engine_available(self.engine, device))
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:

@@ -13,6 +13,7 @@ from autotune.backends.quantized import (
     PackedInt8,
     engine_available,
     per_channel_qweight,
+    plain_type,
     quantized_engine,
 )
 
@@ -50,7 +51,7 @@ class Int8DynamicLinearConfig(Technique):
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return type(module) is nn.Linear and engine_available(self.engine, device)
+        return plain_type(module) is nn.Linear and engine_available(self.engine, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return DynamicInt8Linear(module, self.reduce_range, self.engine)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from autotune.clone import copy_module_state
 
@@ -39,6 +40,23 @@ def per_channel_qweight(weight: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():  # quantized-tensor creation warns of a future removal; this path is swappable
         warnings.simplefilter("ignore", UserWarning)
         return torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+
+
+def plain_type(module: nn.Module) -> type:
+    """The torch class whose forward `module` runs: its own, or for a module with parametrizations (weight_norm:
+    audio models' convolutions) the class torch derived it from, whose forward reads the computed weight."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
+
+
+def explicit_padding(conv: nn.Module) -> tuple[int, ...] | None:
+    """A convolution's padding as integers: its own, or what "valid" / "same" pad (None where "same" pads one
+    side more than the other: an even dilated kernel)."""
+    if not isinstance(conv.padding, str):
+        return tuple(conv.padding)
+    if conv.padding == "valid":
+        return (0,) * len(conv.kernel_size)
+    totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+    return tuple(t // 2 for t in totals) if all(t % 2 == 0 for t in totals) else None
 
 
 def activation_qmax(reduce_range: bool) -> int:
