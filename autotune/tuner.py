@@ -204,6 +204,7 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
     """Runs trials until the budget (max_trials, timeout, patience) is spent, all processes sharing it, or
     `should_stop` gives a reason. Returns why the search stopped."""
     reason = run_search(runner, runner.config, started + (runner.config.timeout or math.inf), should_stop)
+    log.info("search stopped: %s", reason)
     runner.run_the_rest(should_stop)   # plans re-queued after a crash are retried even when the budget is spent
     return reason
 

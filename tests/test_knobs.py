@@ -309,3 +309,23 @@ def test_applying_a_plan_with_a_knob_this_model_cannot_take_is_refused_with_the_
                                        "--out", str(tmp_path / "m.pt")])
     assert result.exit_code == 2 and "knob cuda_graphs does not apply to this model: CUDA graphs need a CUDA " \
         "device; this model is on cpu" in result.output and not (tmp_path / "m.pt").exists()
+
+
+class NamesOnly(HalfCostMeasurer):
+    """Whole models timed by name alone (compiled ones are not read): fp32 10 ms, every other 5 ms."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        return {name: LatencyStats(10.0 if name == "fp32" else 5.0, 0.0, repeats) for name in models}
+
+
+def test_a_knob_the_models_tool_cannot_handle_is_warned_of_once_not_per_engine(tmp_path, caplog):
+    import logging
+    model, x = Branchy().eval(), torch.rand(2, 3, 4, 4)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.5,
+                          max_trials=2, storage=f"sqlite:///{tmp_path}/k.db", engines=["eager", "inductor"],
+                          knobs=["fold_bn"], compile_cache=None)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        autotune(model, config, fidelity(model, x), x, measurer=NamesOnly())
+    said = [r for r in caplog.records if r.getMessage().startswith("fold_bn is not tried in the")]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO]     # eager, then inductor
+    assert "search stopped: " in caplog.text

@@ -117,6 +117,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
     uniform = uniform_finalists(candidates, latency)   # once: it logs what it leaves out
     knobs = _knobs_to_try(runner, candidates, latency)
+    failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
@@ -126,7 +127,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         try:
             for name, plan in plans.items():
                 found[name + suffix] = _ready(engine, plan, runner, calibration, cache)
-            found.update(_with_knobs(engine, knobs, plans, suffix, runner, cache))
+            found.update(_with_knobs(engine, knobs, plans, suffix, runner, cache, failed_knobs))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
@@ -152,7 +153,7 @@ def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency
 
 
 def _with_knobs(engine: Engine, knobs: list[str], plans: dict[str, Plan], suffix: str, runner: TrialRunner,
-                cache: CompileCache) -> dict[str, Finalist]:
+                cache: CompileCache, failed: set[str]) -> dict[str, Finalist]:
     """The engine's best finalist plan with each of `knobs` that has an effect in this engine; a knob the model's
     tool or the engine then cannot handle is left out with its reason logged."""
     best = next(iter(plans.items()), None)
@@ -166,7 +167,9 @@ def _with_knobs(engine: Engine, knobs: list[str], plans: dict[str, Plan], suffix
             found[f"{best[0]}{suffix} +{knob.name}"] = _ready(engine, best[1], runner, calibration, cache,
                                                               (knob.name,))
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
-            log.warning("%s is not tried in the %s engine: %s: %s", knob.name, engine.name, type(exc).__name__, exc)
+            level = logging.INFO if knob.name in failed else logging.WARNING
+            log.log(level, "%s is not tried in the %s engine: %s: %s", knob.name, engine.name, type(exc).__name__, exc)
+            failed.add(knob.name)
     return found
 
 
