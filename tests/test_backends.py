@@ -7,6 +7,7 @@ from conftest import needs_cuda
 from torch import nn
 
 from autotune.backends import get_backend
+from autotune.backends.quantized import has_avx512_vnni
 from autotune.measure import weight_bytes
 
 CPU = torch.device("cpu")
@@ -206,3 +207,23 @@ def test_int8_takes_string_padding_and_weight_norm_as_the_convolutions_they_comp
     lowered = int8.apply(module, ((x,), {}))
     with torch.inference_mode():
         assert relative_error(lowered(x), module(x)) < 5e-2
+
+
+def test_activations_use_eight_bits_only_where_the_cpu_adds_products_in_int32(monkeypatch):
+    from autotune.backends import Int8DynamicLinearConfig, quantized
+    linear = nn.Linear(16, 8)
+    for vnni in (True, False):
+        monkeypatch.setattr(quantized, "has_avx512_vnni", lambda vnni=vnni: vnni)
+        assert Int8DynamicLinearConfig().lower(linear, None).reduce_range is not vnni
+        assert get_backend("int8").apply(linear, None).reduce_range is not vnni
+    assert Int8DynamicLinearConfig(reduce_range=True).lower(linear, None).reduce_range    # as configured
+
+
+@pytest.mark.skipif(not has_avx512_vnni(), reason="8-bit activations saturate FBGEMM on CPUs without AVX512-VNNI")
+def test_eight_bit_activations_halve_the_error_on_a_vnni_cpu():
+    from autotune.backends import Int8DynamicLinearConfig
+    torch.manual_seed(0)
+    linear, x = nn.Linear(512, 512), torch.randn(32, 512) * 3 + 1
+    errors = {bits: relative_error(Int8DynamicLinearConfig(reduce_range=bits == 7).lower(linear, None)(x),
+                                   linear(x)) for bits in (7, 8)}
+    assert errors[8] < 0.7 * errors[7]

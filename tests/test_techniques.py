@@ -79,7 +79,7 @@ def test_an_unregistered_dtype_name_is_refused_with_the_known_ones(rounded):
 
 
 def test_a_technique_registered_under_an_existing_dtype_takes_the_modules_it_supports():
-    sevenbit, eightbit = Int8DynamicLinearConfig(reduce_range=True), Int8DynamicLinearConfig(reduce_range=False)
+    default, eightbit = Int8DynamicLinearConfig(), Int8DynamicLinearConfig(reduce_range=False)
     register_technique(eightbit)
     try:
         model = nn.Sequential(nn.Linear(8, 8), nn.Conv2d(1, 1, 3))
@@ -88,7 +88,7 @@ def test_a_technique_registered_under_an_existing_dtype_takes_the_modules_it_sup
         assert technique_of(tuned[1]).name == "int8" and plan_of(tuned, ["0", "1"]) == {"0": "int8", "1": "int8"}
     finally:
         unregister_technique(eightbit)
-    assert technique_of(get_backend("int8").apply(nn.Linear(8, 8), None)) == sevenbit
+    assert technique_of(get_backend("int8").apply(nn.Linear(8, 8), None)) == default
 
 
 def test_lowering_leaves_the_process_wide_quantized_engine_alone():

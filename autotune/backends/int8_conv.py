@@ -18,6 +18,7 @@ from autotune.backends.quantized import (
     per_channel_qweight,
     plain_type,
     quantized_engine,
+    resolve_reduce_range,
 )
 
 
@@ -83,7 +84,7 @@ class Int8StaticConv2dConfig(Technique):
     """`nn.Conv2d` in int8, activation ranges calibrated on the inputs the module saw (min / max)."""
 
     name: ClassVar[str] = "int8"
-    reduce_range: bool = True
+    reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
@@ -93,7 +94,7 @@ class Int8StaticConv2dConfig(Technique):
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:
             raise ValueError("int8 Conv2d needs the inputs the module saw, for calibration")
-        return StaticInt8Conv2d(module, calibration, self.reduce_range, self.engine)
+        return StaticInt8Conv2d(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)
 
 
 @dataclass(frozen=True)
@@ -107,4 +108,4 @@ class Int8StaticConv1dConfig(Int8StaticConv2dConfig):
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:
             raise ValueError("int8 Conv1d needs the inputs the module saw, for calibration")
-        return StaticInt8Conv1d(module, calibration, self.reduce_range, self.engine)
+        return StaticInt8Conv1d(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)

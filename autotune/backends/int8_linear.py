@@ -15,6 +15,7 @@ from autotune.backends.quantized import (
     per_channel_qweight,
     plain_type,
     quantized_engine,
+    resolve_reduce_range,
 )
 
 
@@ -47,14 +48,14 @@ class Int8DynamicLinearConfig(Technique):
     """`nn.Linear` in int8 with per-channel weights and activations quantised per call."""
 
     name: ClassVar[str] = "int8"
-    reduce_range: bool = True     # 7-bit activations: see autotune.backends.quantized
+    reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
         return plain_type(module) is nn.Linear and engine_available(self.engine, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return DynamicInt8Linear(module, self.reduce_range, self.engine)
+        return DynamicInt8Linear(module, resolve_reduce_range(self.reduce_range), self.engine)
 
 
 def _is_gpt_conv1d(module: nn.Module) -> bool:
@@ -77,4 +78,4 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
         linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)   # a view: packing copies it
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-        return DynamicInt8Linear(linear, self.reduce_range, self.engine)
+        return DynamicInt8Linear(linear, resolve_reduce_range(self.reduce_range), self.engine)

@@ -11,7 +11,13 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from autotune.backends.base import CallInputs, Technique
-from autotune.backends.quantized import engine_available, per_channel_qweight, qint8_nbytes, quantized_engine
+from autotune.backends.quantized import (
+    engine_available,
+    per_channel_qweight,
+    qint8_nbytes,
+    quantized_engine,
+    resolve_reduce_range,
+)
 from autotune.clone import copy_module_state
 
 RNN_TYPES = (nn.LSTM, nn.GRU)
@@ -115,7 +121,7 @@ class Int8DynamicRNNConfig(Technique):
     for one without biases or an LSTM with projections (`proj_size`): FBGEMM's cells have neither."""
 
     name: ClassVar[str] = "int8"
-    reduce_range: bool = True     # 7-bit activations: see autotune.backends.quantized
+    reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
@@ -123,4 +129,4 @@ class Int8DynamicRNNConfig(Technique):
                 and engine_available(self.engine, device))
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return DynamicInt8RNN(module, self.reduce_range, self.engine)
+        return DynamicInt8RNN(module, resolve_reduce_range(self.reduce_range), self.engine)

@@ -1,10 +1,12 @@
 """What the int8 techniques share: FBGEMM's quantized kernels (the aten ops under torch.ao, not its deprecated
 Python API), per-output-channel symmetric int8 weights, and modules holding packed weights.
 
-Activations may use 7 bits (`reduce_range`): FBGEMM's AVX2 path accumulates pairs in int16 and saturates with 8
-(README, "Kernel paths", has the measured errors)."""
+Activations use 7 bits (`reduce_range`) where FBGEMM's kernels add products in pairs into int16, which saturates
+with 8 (AVX2, AVX-512 without VNNI), and 8 bits where the CPU has AVX512-VNNI, which adds them into int32: half
+the error there (README, "Kernel paths", has the measured errors)."""
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,6 +59,20 @@ def explicit_padding(conv: nn.Module) -> tuple[int, ...] | None:
         return (0,) * len(conv.kernel_size)
     totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
     return tuple(t // 2 for t in totals) if all(t % 2 == 0 for t in totals) else None
+
+
+@functools.cache
+def has_avx512_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " avx512_vnni" in line for line in info)
+    except OSError:     # not Linux: assume the saturating kind
+        return False
+
+
+def resolve_reduce_range(reduce_range: bool | None) -> bool:
+    """A technique's `reduce_range`, None meaning this CPU's: 7-bit activations unless it has AVX512-VNNI."""
+    return not has_avx512_vnni() if reduce_range is None else reduce_range
 
 
 def activation_qmax(reduce_range: bool) -> int:
