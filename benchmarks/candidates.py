@@ -58,3 +58,16 @@ def tuned(name: str, fp32: nn.Module, eval_fn, example, dtypes: list[str], max_t
 
 def relative_loss(baseline: float, accuracy: float) -> float:
     return (baseline - accuracy) / abs(baseline)
+
+
+def top1_agreement(reference: nn.Module, data: list[tuple]):
+    """An eval_fn: the share of `data`'s examples (batches of positional inputs) on which a model's top-1 class is
+    the reference model's, so the reference scores 1.0 (random-weight models, no labels)."""
+    with torch.inference_mode():
+        labels = [reference(*batch).argmax(-1) for batch in data]
+    examples = sum(len(y) for y in labels)
+
+    def eval_fn(candidate: nn.Module) -> float:
+        with torch.inference_mode():
+            return sum((candidate(*batch).argmax(-1) == y).sum().item() for batch, y in zip(data, labels)) / examples
+    return eval_fn

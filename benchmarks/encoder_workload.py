@@ -5,6 +5,7 @@ fp32 model scores 1.0 and a tolerance of 0.01 relative allows 1 % of predictions
 from __future__ import annotations
 
 import torch
+from candidates import top1_agreement
 from torch import nn
 
 D_MODEL, LAYERS, CLASSES, LENGTH, BATCH, SEQUENCES = 256, 4, 10, 64, 32, 512
@@ -39,15 +40,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def agreement_eval(reference: nn.Module):
-    data = batches()
-    with torch.inference_mode():
-        labels = [reference(x, mask).argmax(-1) for x, mask in data]
-
-    def eval_fn(candidate: nn.Module) -> float:
-        with torch.inference_mode():
-            agreed = sum((candidate(x, mask).argmax(-1) == y).sum().item() for (x, mask), y in zip(data, labels))
-        return agreed / SEQUENCES
-    return eval_fn
+    return top1_agreement(reference, batches())
 
 
 def example_inputs():

@@ -6,6 +6,7 @@ to change."""
 from __future__ import annotations
 
 import torch
+from candidates import top1_agreement
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
@@ -38,15 +39,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def agreement_eval(reference: nn.Module):
-    data = batches()
-    with torch.inference_mode():
-        labels = [reference(tokens, lengths).argmax(-1) for tokens, lengths in data]
-
-    def eval_fn(candidate: nn.Module) -> float:
-        with torch.inference_mode():
-            agreed = sum((candidate(*batch).argmax(-1) == y).sum().item() for batch, y in zip(data, labels))
-        return agreed / SEQUENCES
-    return eval_fn
+    return top1_agreement(reference, batches())
 
 
 def example_inputs():

@@ -84,28 +84,24 @@ class Int8StaticConv2dConfig(Technique):
     """`nn.Conv2d` in int8, activation ranges calibrated on the inputs the module saw (min / max)."""
 
     name: ClassVar[str] = "int8"
+    takes: ClassVar[type[nn.Module]] = nn.Conv2d
+    builds: ClassVar[type[StaticInt8Conv2d]] = StaticInt8Conv2d
     reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return (plain_type(module) is nn.Conv2d and module.padding_mode == "zeros"
+        return (plain_type(module) is self.takes and module.padding_mode == "zeros"
                 and explicit_padding(module) is not None and engine_available(self.engine, device))
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:
-            raise ValueError("int8 Conv2d needs the inputs the module saw, for calibration")
-        return StaticInt8Conv2d(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)
+            raise ValueError(f"int8 {self.takes.__name__} needs the inputs the module saw, for calibration")
+        return self.builds(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)
 
 
 @dataclass(frozen=True)
 class Int8StaticConv1dConfig(Int8StaticConv2dConfig):
     """`nn.Conv1d` in int8 (audio front ends, temporal convolutions), calibrated as the Conv2d config is."""
 
-    def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return (plain_type(module) is nn.Conv1d and module.padding_mode == "zeros"
-                and explicit_padding(module) is not None and engine_available(self.engine, device))
-
-    def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        if calibration is None:
-            raise ValueError("int8 Conv1d needs the inputs the module saw, for calibration")
-        return StaticInt8Conv1d(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)
+    takes: ClassVar[type[nn.Module]] = nn.Conv1d
+    builds: ClassVar[type[StaticInt8Conv2d]] = StaticInt8Conv1d
