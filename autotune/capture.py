@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.errors import EvalFunctionError
+from autotune.errors import EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
 
@@ -99,7 +99,7 @@ def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
         with torch.inference_mode():
             call(model, inputs)
     except Exception as exc:  # the user's model: any failure is the answer
-        return f"{type(exc).__name__}: {str(exc)[:200]}"
+        return describe(exc, 200)
     return None
 
 

@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """An exception in one line for a log or a reason: "TypeName: the first line of its message", cut at `limit`
+    (torch's messages run to pages of hints and tracebacks)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:limit]
+    return f"{type(exc).__name__}: {first}"
+
+
 class AutotuneError(Exception):
     """Base class of the errors autotune raises on purpose."""
 

@@ -14,6 +14,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.engines.base import Calibration, Engine
 from autotune.engines.knobs import with_knobs
+from autotune.errors import describe
 from autotune.plan import Plan, plan_id
 
 log = logging.getLogger("autotune")
@@ -49,8 +50,8 @@ class CompileCache:
         except Exception as exc:  # a model torch.save cannot pickle (parametrized modules, e.g. weight_norm)
             partial.unlink(missing_ok=True)
             if not self.unkept:    # the same for every finalist of the model: said once
-                log.warning("compile cache: cannot keep this model's finalists (%s: %s); a resumed run builds them "
-                            "again", type(exc).__name__, str(exc).split("\n")[0])
+                log.warning("compile cache: cannot keep this model's finalists (%s); a resumed run builds them "
+                            "again", describe(exc))
             self.unkept.append(path.name)
             return built
         partial.replace(path)

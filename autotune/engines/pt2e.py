@@ -12,6 +12,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.engines.base import Calibration, EngineUnavailable, compile_model
+from autotune.errors import describe
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 
@@ -39,8 +40,7 @@ def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
         return torch.export.export(model, args, kwargs, strict=False,
                                    dynamic_shapes=_free_dimensions(model, args, kwargs))
     except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise EngineUnavailable(f"torch.export failed: {type(exc).__name__}: {first}") from exc
+        raise EngineUnavailable(f"torch.export failed: {describe(exc)}") from exc
 
 
 @dataclass(frozen=True)

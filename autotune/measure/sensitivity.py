@@ -13,6 +13,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import call
 from autotune.clone import clone
 from autotune.discovery import shared_dtypes, unit_name, units_of
+from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
 from autotune.plan import lower_module, replace_module
@@ -63,8 +64,8 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
                             work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
                         error = output_error(reference, call(work, inputs))
                     except Exception as exc:  # the model around the unit fails with it lowered: that dtype only
-                        log.warning("%s in %s: the model fails with it (%s: %s), so it stays out of %s",
-                                    unit_name(members), dtype, type(exc).__name__, str(exc)[:200], dtype)
+                        log.warning("%s in %s: the model fails with it (%s), so it stays out of %s",
+                                    unit_name(members), dtype, describe(exc, 200), dtype)
                         error = math.inf
                     for name, original in originals.items():
                         errors[name][dtype] = error / math.sqrt(len(members))
