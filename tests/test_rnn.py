@@ -87,6 +87,12 @@ def test_int8_takes_the_rnns_fbgemm_has_cells_for():
     assert not int8.supports(nn.GRU(4, 4, bias=False), CPU)
     assert not int8.supports(nn.RNN(4, 4), CPU)
     assert get_backend("bf16").supports(nn.LSTM(4, 8, proj_size=4), CPU)
+    # weight_norm'd, as the other int8 techniques take it: the weights it computes are what is quantised
+    normed = nn.utils.parametrizations.weight_norm(nn.GRU(4, 8), "weight_hh_l0").eval()
+    assert int8.supports(normed, CPU)
+    x = torch.randn(5, 2, 4)
+    with torch.inference_mode():
+        assert relative_error(int8.apply(normed, None)(x)[0], normed(x)[0]) < 5e-2
 
 
 class Tagger(nn.Module):

@@ -14,6 +14,7 @@ from autotune.backends.base import CallInputs, Technique
 from autotune.backends.quantized import (
     engine_available,
     per_channel_qweight,
+    plain_type,
     qint8_nbytes,
     quantized_engine,
     resolve_reduce_range,
@@ -125,7 +126,7 @@ class Int8DynamicRNNConfig(Technique):
     engine: str = "fbgemm"
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return (type(module) in RNN_TYPES and module.bias and not getattr(module, "proj_size", 0)
+        return (plain_type(module) in RNN_TYPES and module.bias and not getattr(module, "proj_size", 0)
                 and engine_available(self.engine, device))
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
