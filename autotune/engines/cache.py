@@ -41,7 +41,7 @@ class CompileCache:
             try:
                 return engine.load(str(path))
             except Exception as exc:  # a file of another torch version, or cut short: build it again
-                log.warning("compile cache: cannot read %s (%s: %s); building again", path, type(exc).__name__, exc)
+                log.warning("compile cache: cannot read %s (%s); building again", path, describe(exc))
         built = engine.build(with_knobs(fp32, knobs), plan, calibration)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")

@@ -28,7 +28,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.config.tuning import TuningConfig
-from autotune.errors import EvalFunctionError
+from autotune.errors import EvalFunctionError, describe
 from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
@@ -187,7 +187,7 @@ class TrialRunner:
         except Exception as exc:  # the user's code: any failure fails this trial only
             self.failed.add(key)
             trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
-            log.warning("trial %d failed: %s: %s", trial.number, type(exc).__name__, exc)
+            log.warning("trial %d failed: %s", trial.number, describe(exc))
             raise TrialFailed(str(exc)) from exc
         loss = self.config.accuracy_loss(self.baseline, accuracy)
         # A failing plan cannot be chosen: its latency is predicted (with the latency objective, the sampler

@@ -21,6 +21,7 @@ from autotune.engines import (
     Knob,
     get_engine,
 )
+from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
@@ -222,7 +223,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
             # The model returned, as it runs (compiled where its engine compiles): its score is the one reported.
             accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, config.trial_timeout))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
-            log.warning("%s: re-evaluation failed (%s: %s); trying the next", name, type(exc).__name__, exc)
+            log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
             continue
         if config.passes(runner.baseline, accuracy):
             return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
