@@ -227,3 +227,30 @@ def test_eight_bit_activations_halve_the_error_on_a_vnni_cpu():
     errors = {bits: relative_error(Int8DynamicLinearConfig(reduce_range=bits == 7).lower(linear, None)(x),
                                    linear(x)) for bits in (7, 8)}
     assert errors[8] < 0.7 * errors[7]
+
+
+def test_a_saved_int8_model_with_eight_bit_activations_warns_when_loaded_on_a_cpu_where_they_saturate(monkeypatch):
+    import warnings
+
+    from autotune.backends import Int8DynamicLinearConfig, Int8DynamicRNNConfig, Int8StaticConv2dConfig, quantized
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(Int8StaticConv2dConfig(reduce_range=False).lower(nn.Conv2d(3, 4, 3), ((x,), {})),
+                          Int8DynamicLinearConfig(reduce_range=True).lower(nn.Linear(6, 6), None),
+                          Int8DynamicRNNConfig(reduce_range=False).lower(nn.GRU(6, 6), None))
+    saved = io.BytesIO()
+    torch.save(model, saved)
+
+    def load(vnni: bool) -> list[str]:
+        monkeypatch.setattr(quantized, "has_avx512_vnni", lambda: vnni)
+        saved.seek(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = torch.load(saved, weights_only=False)
+        assert loaded[0](x).shape == model[0](x).shape    # it loads and runs either way
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    warned = load(vnni=False)
+    assert len(warned) == 2      # the 8-bit conv and GRU; the 7-bit Linear is right on any CPU
+    assert warned[0].startswith("StaticInt8Conv2d: ") and "autotune apply" in warned[0]
+    assert warned[1].startswith("DynamicInt8RNN: ")
+    assert load(vnni=True) == []

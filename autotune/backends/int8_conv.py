@@ -30,6 +30,7 @@ class StaticInt8Conv2d(PackedInt8):
         x = calibration[0][0].detach().float()
         with torch.no_grad():
             y = conv(x.to(conv.weight.dtype)).float()
+        self.reduce_range = reduce_range
         qmax = activation_qmax(reduce_range)
         self.in_scale, self.in_zero_point = affine_qparams(x, qmax)
         self.out_scale, self.out_zero_point = affine_qparams(y, qmax)

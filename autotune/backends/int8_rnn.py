@@ -18,6 +18,7 @@ from autotune.backends.quantized import (
     qint8_nbytes,
     quantized_engine,
     resolve_reduce_range,
+    warn_if_loaded_where_it_saturates,
 )
 from autotune.clone import copy_module_state
 
@@ -31,6 +32,7 @@ class DynamicInt8RNN(nn.Module):
     def __init__(self, rnn: nn.LSTM | nn.GRU, reduce_range: bool, engine: str):
         super().__init__()
         self.mode = type(rnn).__name__
+        self.reduce_range = reduce_range
         for name in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional"):
             setattr(self, name, getattr(rnn, name))
         self._nbytes = 0
@@ -54,6 +56,10 @@ class DynamicInt8RNN(nn.Module):
     def __deepcopy__(self, memo: dict) -> DynamicInt8RNN:
         memo[id(self._cells)] = self._cells   # packed weights no op changes: copies share them
         return copy_module_state(self, memo)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        warn_if_loaded_where_it_saturates(self)
 
     def weight_nbytes(self) -> int:
         return self._nbytes

@@ -75,6 +75,16 @@ def resolve_reduce_range(reduce_range: bool | None) -> bool:
     return not has_avx512_vnni() if reduce_range is None else reduce_range
 
 
+def warn_if_loaded_where_it_saturates(module: nn.Module) -> None:
+    """Called as an unpickled int8 module is set up: one built with 8-bit activations (on a CPU with AVX512-VNNI)
+    and loaded on a CPU without it runs kernels that can saturate, so it may score below what was measured."""
+    if module.reduce_range is False and not has_avx512_vnni():
+        warnings.warn(f"{type(module).__name__}: this int8 model was built with 8-bit activations on a CPU with "
+                      "AVX512-VNNI; this CPU adds int8 products in int16, where 8 bits can saturate, so its accuracy "
+                      "here may differ from what was measured. Apply the plan on this machine (`autotune apply`) "
+                      "for 7-bit activations.", RuntimeWarning, stacklevel=2)
+
+
 def activation_qmax(reduce_range: bool) -> int:
     return 127 if reduce_range else 255
 
@@ -105,10 +115,15 @@ class PackedInt8(nn.Module):
 
     _packed: torch.ScriptObject
     _nbytes: int
+    reduce_range: bool
 
     def __deepcopy__(self, memo: dict) -> PackedInt8:
         memo[id(self._packed)] = self._packed
         return copy_module_state(self, memo)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        warn_if_loaded_where_it_saturates(self)
 
     def weight_nbytes(self) -> int:
         return self._nbytes
