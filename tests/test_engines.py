@@ -59,6 +59,41 @@ def test_the_compiled_engine_refuses_what_it_cannot_realise():
         realise(mlp(), dict.fromkeys(NAMES, "fp32"), "compiled", Calibration(batches(), {}))
 
 
+class SharedReLUBlock(nn.Module):
+    """A residual block calling one nn.ReLU twice, as torchvision's ResNet blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.conv2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.conv2(self.relu(self.conv1(x))) + x)
+
+
+def test_the_compiled_engine_quantises_a_model_calling_one_module_twice():
+    model, x = SharedReLUBlock().eval(), torch.randn(4, 8, 12, 12)
+    plan = {"conv1": "int8", "conv2": "int8"}
+    converted = realise(model, plan, "compiled", Calibration([((x,), {})], {}))
+    targets = [str(node.target) for node in converted.graph.nodes]
+    assert sum("dequantize_per_channel" in t for t in targets) == 2     # both convolutions' weights are int8
+    with torch.no_grad():
+        reference, out = model(x[:3]), converted(x[:3])
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+
+
+def test_a_model_torchaos_quantizer_cannot_annotate_is_refused_with_the_reason(monkeypatch):
+    from torchao.quantization.pt2e import quantize_pt2e
+
+    def rejects(model, quantizer):
+        raise ValueError("Input partition has more than one output node\n(the partition's nodes)")
+    monkeypatch.setattr(quantize_pt2e, "prepare_pt2e", rejects)
+    with pytest.raises(EngineUnavailable, match=r"cannot annotate the model: ValueError: Input partition has more "
+                                                r"than one output node$"):
+        realise(mlp(), {"0": "int8", "2": "fp32", "4": "int8"}, "compiled", Calibration(batches(), {}))
+
+
 class Branchy(nn.Module):
     """Data-dependent control flow: torch.export cannot trace it."""
 

@@ -29,18 +29,40 @@ def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
                        lambda other: None)
 
 
-def export(model: nn.Module, inputs) -> torch.export.ExportedProgram:
-    """`model` exported on `inputs` with free batch (and other) dimensions.
+def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.ExportedProgram:
+    """`model` exported on `inputs` with free batch (and other) dimensions; traced in Python (`strict=False`,
+    what transformers' models need) unless `strict` (TorchDynamo).
 
     Raises:
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
     """
     args, kwargs = inputs
     try:
-        return torch.export.export(model, args, kwargs, strict=False,
+        return torch.export.export(model, args, kwargs, strict=strict,
                                    dynamic_shapes=_free_dimensions(model, args, kwargs))
     except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
         raise EngineUnavailable(f"torch.export failed: {describe(exc)}") from exc
+
+
+def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
+    """The model exported and prepared for calibration. A graph traced in Python does not tell one call of a module
+    from another, so a module called twice (one nn.ReLU after both convolutions of a ResNet block, as torchvision's
+    are) becomes one partition with two outputs, which the quantizer rejects; TorchDynamo's graph names each
+    call, so that is tried where the first fails.
+
+    Raises:
+        EngineUnavailable: neither graph could be exported and annotated; the first failure's reason.
+    """
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+    try:
+        return prepare_pt2e(export(fp32, inputs).module(), quantizer)
+    except Exception as exc:   # torchao raises many kinds for graphs its patterns do not fit
+        first = exc if isinstance(exc, EngineUnavailable) else EngineUnavailable(
+            f"torchao's X86InductorQuantizer cannot annotate the model: {describe(exc)}")
+    try:
+        return prepare_pt2e(export(fp32, inputs, strict=True).module(), quantizer)
+    except Exception:
+        raise first from None
 
 
 @dataclass(frozen=True)
@@ -56,7 +78,7 @@ class CompiledEngine:
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
         other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
@@ -69,10 +91,9 @@ class CompiledEngine:
         for name, dtype in plan.items():
             if dtype == "fp32":
                 quantizer.set_module_name_qconfig(name, None)
-        exported = export(fp32, calibration.batches[0])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # torchao warns of APIs it will change, on every call
-            prepared = prepare_pt2e(exported.module(), quantizer)
+            prepared = _prepared(fp32, calibration.batches[0], quantizer)
             with torch.no_grad():
                 for batch in calibration.batches:
                     call(prepared, batch)
