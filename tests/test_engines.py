@@ -136,6 +136,18 @@ def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_
     assert fallback["engine"] == "compiled" and "torch.export failed" in fallback["reason"]
 
 
+def test_an_engine_whose_build_raises_after_the_search_is_dropped_and_the_run_still_returns(tmp_path, monkeypatch):
+    def breaks(self, fp32, plan, calibration):
+        raise IndexError("list index out of range\nin a pass of the quantizer")
+    monkeypatch.setattr(CompiledEngine, "build", breaks)
+    model = mlp()
+    result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())
+    assert result.engine == "eager" and "int8" in result.plan.values()
+    fallback = result.study.user_attrs["autotune.engine_fallback"]
+    assert fallback == {"engine": "compiled",
+                        "reason": "compiled: building the plan failed: IndexError: list index out of range"}
+
+
 def test_batches_captured_from_an_eval_fn_in_inference_mode_go_through_the_compiled_engine(tmp_path):
     model, x = mlp(), batches(1)[0][0][0]
 

@@ -169,7 +169,7 @@ def _with_knobs(engine: Engine, knobs: list[str], plans: dict[str, Plan], suffix
                                                               (knob.name,))
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
             level = logging.INFO if knob.name in failed else logging.WARNING
-            log.log(level, "%s is not tried in the %s engine: %s: %s", knob.name, engine.name, type(exc).__name__, exc)
+            log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
             failed.add(knob.name)
     return found
 
@@ -181,17 +181,23 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
     (kept on the study).
 
     Raises:
-        EngineUnavailable: the first calls failed (e.g. the compiler could not handle the model).
+        EngineUnavailable: building the plan or the first calls failed (e.g. the compiler could not handle the
+            model): after the search, an engine's failure must not cost the run its result.
     """
     started = time.perf_counter()
-    built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
+    try:
+        built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
+    except EngineUnavailable:
+        raise
+    except Exception as exc:   # the libraries an engine builds with raise many kinds
+        raise EngineUnavailable(f"{engine.name}: building the plan failed: {describe(exc)}") from exc
     runnable = engine.runnable(built)
     try:
         with torch.inference_mode():
             for shape in runner.shapes:
                 call(runnable, shape.inputs)
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
-        raise EngineUnavailable(f"{engine.name}: the first call failed: {type(exc).__name__}: {exc}"[:300]) from exc
+        raise EngineUnavailable(f"{engine.name}: the first call failed: {describe(exc)}") from exc
     return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
 
 
