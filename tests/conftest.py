@@ -109,6 +109,11 @@ def needs_cuda():
                               reason="needs a CUDA device (make test-gpu on a GPU machine)")
 
 
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether `model` runs under torch.compile (itself, or wrapped as the compiled engine's runnable is)."""
+    return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+
+
 class HalfCostMeasurer:
     """Every module in a lowered dtype costs half its fp32 time (no timing noise, no time spent measuring); the
     plan of each timed model is read back from the modules at `names`. Subclasses that script whole-model

@@ -3,6 +3,7 @@ engine keeps the plan's fp32 modules fp32, a model that cannot be exported falls
 on the study, and the engine a winner ran in round-trips through `export` / `apply`."""
 from __future__ import annotations
 
+import copy
 import json
 import types
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import HalfCostMeasurer
+from conftest import HalfCostMeasurer, is_compiled
 from conftest import fidelity as fidelity_on
 from torch import nn
 
@@ -83,6 +84,25 @@ def test_the_compiled_engine_quantises_a_model_calling_one_module_twice():
     assert ((out - reference).norm() / reference.norm()).item() < 0.05
 
 
+def test_the_compiled_engine_runs_its_int8_weights_frozen_into_the_compiled_code():
+    """Inductor lowers quantised convolutions into int8 kernels only with freezing on, which folds the weights in
+    as constants: a weight changed after the first call is then not read again (it is, compiled without)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval(), torch.randn(4, 3, 12, 12)
+    built = realise(model, {"0": "int8", "2": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    outputs = {}
+    for name, runnable in (("frozen", CompiledEngine().runnable(built)), ("not", compile_model(copy.deepcopy(built)))):
+        with torch.inference_mode():
+            first = runnable(x[:3]).clone()
+        int8 = [t for t in runnable.state_dict().values() if t.dtype == torch.int8]
+        assert len(int8) == 2
+        for weight in int8:
+            weight.zero_()
+        with torch.inference_mode():
+            outputs[name] = torch.equal(runnable(x[:3]), first), runnable(x).shape   # and another batch size
+    assert outputs == {"frozen": (True, (4, 8, 8, 8)), "not": (False, (4, 8, 8, 8))}
+
+
 def test_a_model_torchaos_quantizer_cannot_annotate_is_refused_with_the_reason(monkeypatch):
     from torchao.quantization.pt2e import quantize_pt2e
 
@@ -114,7 +134,7 @@ class CompiledIsFaster(HalfCostMeasurer):
         def ms(name, model):
             if name == "fp32":
                 return 10.0
-            return 4.0 if type(model).__name__ == "OptimizedModule" else 7.0
+            return 4.0 if is_compiled(model) else 7.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
 
 
@@ -200,7 +220,7 @@ class CompiledFp32IsFastest(HalfCostMeasurer):
         from autotune.plan import plan_of
 
         def ms(name, model):   # a compiled finalist is named after its plan: "fp32 (inductor)" or "trial N (...)"
-            compiled = type(model).__name__ == "OptimizedModule"
+            compiled = is_compiled(model)
             lowered = not name.startswith("fp32") if compiled else "int8" in plan_of(model, NAMES).values()
             return 10.0 * (0.9 if lowered and not compiled else 0.8 if lowered else 0.5 if compiled else 1.0)
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
@@ -211,7 +231,7 @@ def test_the_inductor_engine_offers_fp32_compiled_and_wins_when_it_is_fastest(tm
     result = autotune(model, config(tmp_path, engines=["eager", "inductor"]), fidelity(model),
                       batches(1)[0][0][0], measurer=CompiledFp32IsFastest())
     assert result.engine == "inductor" and set(result.plan.values()) == {"fp32"}
-    assert type(result.model).__name__ == "OptimizedModule" and result.speedup == pytest.approx(2.0)
+    assert is_compiled(result.model) and result.speedup == pytest.approx(2.0)
     setup = result.study.user_attrs["autotune.finalist_setup_s"]   # build + first calls (compiling), per finalist
     assert setup["fp32 (inductor)"] > 0 and any(name.endswith("(inductor)") and name != "fp32 (inductor)"
                                                 for name in setup)
@@ -279,7 +299,7 @@ class Int8PaysOnlyCompiled(HalfCostMeasurer):
 
     def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
-            return 3.0 if type(model).__name__ == "OptimizedModule" else 10.0 if name == "fp32" else 8.0
+            return 3.0 if is_compiled(model) else 10.0 if name == "fp32" else 8.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
 
 

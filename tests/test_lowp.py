@@ -3,7 +3,7 @@
 edges, the given model untouched; it realises one low dtype and fp32 only."""
 import pytest
 import torch
-from conftest import HalfCostMeasurer, assert_state_equal, export_then_apply, fidelity, state_snapshot
+from conftest import HalfCostMeasurer, assert_state_equal, export_then_apply, fidelity, is_compiled, state_snapshot
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
@@ -59,7 +59,7 @@ class LowpIsFastest(HalfCostMeasurer):
 
     def latency(self, models, inputs, repeats, warmup=None):
         def ms(name, model):
-            return 10.0 if name == "fp32" else 3.0 if type(model).__name__ == "OptimizedModule" else 8.0
+            return 10.0 if name == "fp32" else 3.0 if is_compiled(model) else 8.0
         return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
 
 
