@@ -1,16 +1,18 @@
 """Deployment benchmark: the tuned model beside what a user would pick instead, at batch 1 and the eval batch.
 
-    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm,encoder,lstm,gru] [--quick] [--max-trials N]
+    .venv-bench/bin/python benchmarks/deploy.py [--workloads mnist,minilm,encoder,lstm,gru,resnet] [--quick]
+                                                  [--max-trials N]
 
 Per workload (benchmarks/harness.py's real workloads; `encoder` is benchmarks/encoder_workload.py, `lstm` and `gru`
-benchmarks/rnn_workload.py), each candidate
+benchmarks/rnn_workload.py, `resnet` benchmarks/cnn_workload.py), each candidate
 is built, scored once with the workload's eval_fn, and all of them are timed interleaved in one run per shape, fp32
 eager among them (speedups are ratios within that run):
   fp32 eager            the model as given
   torch.compile fp32    `torch.compile(model)`
   quantize_dynamic      `torch.ao.quantization.quantize_dynamic(model, {nn.Linear, nn.LSTM, nn.GRU}, dtype=torch.qint8)`
   pt2e int8 + inductor  torchao's X86InductorQuantizer over the whole model (static ranges from the first 4 batches
-                        eval_fn feeds it), then `torch.compile`: the uniform int8 plan of autotune's compiled engine
+                        eval_fn feeds it), then `torch.compile` with inductor's freezing on, as torchao's x86
+                        tutorial has it: the uniform int8 plan of autotune's compiled engine
   INC int8              Intel Neural Compressor 3.x `autotune` over its static then dynamic PT2E int8 config sets
                         (benchmarks/peers/inc.py; under .venv-bench, else a row saying why not)
   autotune (batch N)    int8/bf16/fp16/fp32 per module, engines eager, compiled, inductor and lowp, tolerance 0.01

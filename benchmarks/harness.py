@@ -120,6 +120,10 @@ def real_workload(workload: str, quick: bool):
         fp32 = rnn.model(workload)
         return (fp32, rnn.agreement_eval(fp32), rnn.example_inputs(), ["int8", "bf16", "fp16", "fp32"], 40,
                 f"{workload.upper()} classifier on packed sequences (random weights, top-1 agreement with fp32)")
+    if workload == "resnet":
+        import cnn_workload as cnn
+        return (cnn.model(), cnn.accuracy_eval(), cnn.example_inputs(), ["int8", "bf16", "fp16", "fp32"], 40,
+                "residual CNN (BatchNorm, shared ReLU), 32x32 RGB, trained on a synthetic 10-class task, accuracy")
     raise SystemExit(f"unknown workload {workload!r}")
 
 
