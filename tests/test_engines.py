@@ -103,6 +103,27 @@ def test_the_compiled_engine_runs_its_int8_weights_frozen_into_the_compiled_code
     assert outputs == {"frozen": (True, (4, 8, 8, 8)), "not": (False, (4, 8, 8, 8))}
 
 
+def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_size(caplog, monkeypatch):
+    """torch 2.13 compiles a convolution after max-pooling frozen for fixed batch sizes but fails a stride check
+    for a dynamic batch, and keeps the broken code: the model is then compiled frozen per batch size (here up to
+    3 of them) and unfrozen beyond, and every call answers as the converted graph does."""
+    from autotune.engines import pt2e
+    monkeypatch.setattr(pt2e, "STATIC_SHAPES", 3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).eval()
+    x = torch.randn(8, 1, 12, 12)
+    built = realise(model, {"0": "int8", "3": "int8", "6": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    runnable = CompiledEngine().runnable(built)
+    with torch.inference_mode():
+        for n in (8, 1, 3, 5, 6, 8, 3):
+            assert torch.allclose(runnable(x[:n]), built(x[:n]), atol=1e-5), n
+    assert runnable.unfrozen is not None
+    assert len(runnable.frozen_shapes) == 3 and ((8, 1, 12, 12),) in runnable.frozen_shapes
+    said = [r.getMessage() for r in caplog.records if "cannot freeze" in r.getMessage()]
+    assert len(said) == 1 and "AssertionError: expected size" in said[0]
+
+
 def test_a_model_torchaos_quantizer_cannot_annotate_is_refused_with_the_reason(monkeypatch):
     from torchao.quantization.pt2e import quantize_pt2e
 

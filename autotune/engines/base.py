@@ -31,13 +31,15 @@ RECOMPILE_LIMIT = 256
 _OPTIONS = set(inspect.signature(torch.compile).parameters)
 
 
-def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False) -> nn.Module:
-    """torch.compile(model, mode=mode) on a forward of the model's own, with room for every finalist's compiled
-    code beside this one's. `alone`: every frame's entries apart from other models' as well, as in a process of its
-    own (a peer timed beside the finalists)."""
+def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False,
+                  dynamic: bool | None = None) -> nn.Module:
+    """torch.compile(model, mode=mode, dynamic=dynamic) on a forward of the model's own, with room for every
+    finalist's compiled code beside this one's. `alone`: every frame's entries apart from other models' as well, as
+    in a process of its own (a peer timed beside the finalists)."""
     _give_own_forward(model)
     options = {"isolate_recompiles": True} if alone else {"recompile_limit": RECOMPILE_LIMIT}
-    return torch.compile(model, mode=mode, **{key: value for key, value in options.items() if key in _OPTIONS})
+    return torch.compile(model, mode=mode, dynamic=dynamic,
+                         **{key: value for key, value in options.items() if key in _OPTIONS})
 
 
 def _give_own_forward(model: nn.Module) -> None:

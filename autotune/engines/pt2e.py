@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -15,7 +16,9 @@ from autotune.capture import call
 from autotune.engines.base import Calibration, EngineUnavailable, compile_model
 from autotune.errors import describe
 from autotune.plan import Plan
-from autotune.tree import map_tensors
+from autotune.tree import map_tensors, tensors
+
+log = logging.getLogger(__name__)
 
 REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
@@ -77,20 +80,74 @@ def _freezing() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+STATIC_SHAPES = 8   # shapes a model that cannot be frozen for a dynamic batch is compiled frozen for, each apart
+
+
 class FrozenCompiled(nn.Module):
     """A converted model under torch.compile, called with inductor's freezing on: weights fold in as constants,
     which is when inductor lowers each quantise / dequantise pair around a convolution or linear into oneDNN's int8
     kernels; without it they run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp32
     eager frozen, 1.5x not). On around every call, not only the first, so that a recompile for a new shape
-    freezes too."""
+    freezes too.
 
-    def __init__(self, compiled: nn.Module):
+    Some graphs compile frozen for fixed shapes but not for a dynamic batch (torch 2.13: a convolution after
+    max-pooling fails a stride check in the quantised-conv lowering, and the broken code stays in the compiled
+    module's cache). From the first failure on, a fresh module is compiled frozen for each shape on its own, up to
+    STATIC_SHAPES of them; other shapes run compiled without freezing."""
+
+    def __init__(self, built: nn.Module):
         super().__init__()
-        self.compiled = compiled
+        self.built = (built,)      # a reference, not a second registration of its parameters
+        self.frozen = compile_model(_Calls(built))
+        self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
+        self.frozen_shapes: set[tuple] = set()
+        self.unfreezable: set[tuple] = set()
 
     def forward(self, *args, **kwargs):
-        with _freezing():
-            return self.compiled(*args, **kwargs)
+        shapes = tuple(tuple(t.shape) for t in tensors((args, kwargs)))
+        if self.unfrozen is not None and not self._frozen_per_shape(shapes):
+            return self.unfrozen(*args, **kwargs)
+        try:
+            with _freezing():
+                out = self.frozen(*args, **kwargs)
+        except Exception as exc:   # inductor's lowerings raise many kinds
+            if shapes in self.frozen_shapes:
+                raise              # it ran frozen before: not a failure to freeze
+            self._step_down(shapes, exc)
+            return self(*args, **kwargs)
+        self.frozen_shapes.add(shapes)
+        return out
+
+    def _frozen_per_shape(self, shapes: tuple) -> bool:
+        return shapes in self.frozen_shapes or (shapes not in self.unfreezable
+                                                and len(self.frozen_shapes) < STATIC_SHAPES)
+
+    def _step_down(self, shapes: tuple, exc: Exception) -> None:
+        if self.unfrozen is not None:
+            self.unfreezable.add(shapes)
+            return
+        global _said_unfrozen
+        log.log(logging.INFO if _said_unfrozen else logging.WARNING, "compiled engine: inductor cannot freeze this "
+                "model for a dynamic batch (input shapes %s: %s); it is compiled frozen for each shape apart, up to "
+                "%d, and without freezing (int8 kernels dequantised) for others", list(shapes), describe(exc),
+                STATIC_SHAPES)
+        _said_unfrozen = True
+        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False)   # shapes that ran compile again
+        self.unfrozen = compile_model(_Calls(self.built[0]))
+
+
+_said_unfrozen = False   # the first model freezing fails on is warned of; later ones logged at INFO
+
+
+class _Calls(nn.Module):
+    """Calls `built`: each compiled wrapper has a forward of its own to compile, apart from the other's."""
+
+    def __init__(self, built: nn.Module):
+        super().__init__()
+        self.built = built
+
+    def forward(self, *args, **kwargs):
+        return self.built(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -128,7 +185,7 @@ class CompiledEngine:
             return convert_pt2e(prepared)
 
     def runnable(self, built: nn.Module) -> nn.Module:
-        return FrozenCompiled(compile_model(built))
+        return FrozenCompiled(built)
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
