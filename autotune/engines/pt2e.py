@@ -55,14 +55,14 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
     call, so that is tried where the first fails.
 
     Raises:
-        EngineUnavailable: neither graph could be exported and annotated; the first failure's reason.
+        EngineUnavailable: the model cannot be exported, or neither graph annotated; the first failure's reason.
     """
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+    traced = export(fp32, inputs)
     try:
-        return prepare_pt2e(export(fp32, inputs).module(), quantizer)
+        return prepare_pt2e(traced.module(), quantizer)
     except Exception as exc:   # torchao raises many kinds for graphs its patterns do not fit
-        first = exc if isinstance(exc, EngineUnavailable) else EngineUnavailable(
-            f"torchao's X86InductorQuantizer cannot annotate the model: {describe(exc)}")
+        first = EngineUnavailable(f"torchao's X86InductorQuantizer cannot annotate the model: {describe(exc)}")
     try:
         return prepare_pt2e(export(fp32, inputs, strict=True).module(), quantizer)
     except Exception:
