@@ -100,27 +100,29 @@ class FrozenCompiled(nn.Module):
         self.built = (built,)      # a reference, not a second registration of its parameters
         self.frozen = compile_model(_Calls(built))
         self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
-        self.frozen_shapes: set[tuple] = set()
+        self.frozen_shapes: set[tuple] = set()     # compiled frozen in `frozen`: called without the switch
+        self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
         self.unfreezable: set[tuple] = set()
 
     def forward(self, *args, **kwargs):
-        shapes = tuple(tuple(t.shape) for t in tensors((args, kwargs)))
+        shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
+                  else tuple(t.shape for t in tensors((args, kwargs))))
+        if shapes in self.frozen_shapes:   # its code is compiled: switching freezing on costs 20 us a call
+            return self.frozen(*args, **kwargs)
         if self.unfrozen is not None and not self._frozen_per_shape(shapes):
             return self.unfrozen(*args, **kwargs)
         try:
             with _freezing():
                 out = self.frozen(*args, **kwargs)
         except Exception as exc:   # inductor's lowerings raise many kinds
-            if shapes in self.frozen_shapes:
-                raise              # it ran frozen before: not a failure to freeze
             self._step_down(shapes, exc)
             return self(*args, **kwargs)
         self.frozen_shapes.add(shapes)
         return out
 
     def _frozen_per_shape(self, shapes: tuple) -> bool:
-        return shapes in self.frozen_shapes or (shapes not in self.unfreezable
-                                                and len(self.frozen_shapes) < STATIC_SHAPES)
+        return shapes in self.kept or (shapes not in self.unfreezable
+                                       and len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
 
     def _step_down(self, shapes: tuple, exc: Exception) -> None:
         if self.unfrozen is not None:
@@ -132,7 +134,8 @@ class FrozenCompiled(nn.Module):
                 "%d, and without freezing (int8 kernels dequantised) for others", list(shapes), describe(exc),
                 STATIC_SHAPES)
         _said_unfrozen = True
-        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False)   # shapes that ran compile again
+        self.kept, self.frozen_shapes = self.frozen_shapes, set()
+        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False)
         self.unfrozen = compile_model(_Calls(self.built[0]))
 
 
