@@ -107,8 +107,8 @@ def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_
     """torch 2.13 compiles a convolution after max-pooling frozen for fixed batch sizes but fails a stride check
     for a dynamic batch, and keeps the broken code: the model is then compiled frozen per batch size (here up to
     3 of them) and unfrozen beyond, and every call answers as the converted graph does."""
-    from autotune.engines import pt2e
-    monkeypatch.setattr(pt2e, "STATIC_SHAPES", 3)
+    from autotune.engines import frozen
+    monkeypatch.setattr(frozen, "STATIC_SHAPES", 3)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
                           nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).eval()

@@ -3,9 +3,7 @@ modules with static activation ranges calibrated on several real batches, leaves
 quantizer, and inductor compiles the result so that quantise / dequantise pairs fuse into int8 kernels."""
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
 import warnings
 from dataclasses import dataclass
 
@@ -13,12 +11,11 @@ import torch
 from torch import nn
 
 from autotune.capture import call
-from autotune.engines.base import Calibration, EngineUnavailable, compile_model
+from autotune.engines.base import Calibration, EngineUnavailable
+from autotune.engines.frozen import FrozenCompiled
 from autotune.errors import describe
 from autotune.plan import Plan
-from autotune.tree import map_tensors, tensors
-
-log = logging.getLogger(__name__)
+from autotune.tree import map_tensors
 
 REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
@@ -67,90 +64,6 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
         return prepare_pt2e(export(fp32, inputs, strict=True).module(), quantizer)
     except Exception:
         raise first from None
-
-
-def _freezing() -> contextlib.AbstractContextManager:
-    """Inductor's `freezing` on, through its config module: torch.compile(options={"freezing": True}) fails on
-    these graphs in torch 2.13 (UnsupportedOperatorException: onednn.qconv_prepack), and the pt2e x86 tutorial sets
-    the config. Where a torch has no such setting, nothing is switched (the kernels run dequantised, as before)."""
-    try:
-        from torch._inductor import config
-        return config.patch(freezing=True)
-    except (ImportError, AttributeError, KeyError):
-        return contextlib.nullcontext()
-
-
-STATIC_SHAPES = 8   # shapes a model that cannot be frozen for a dynamic batch is compiled frozen for, each apart
-
-
-class FrozenCompiled(nn.Module):
-    """A converted model under torch.compile, called with inductor's freezing on: weights fold in as constants,
-    which is when inductor lowers each quantise / dequantise pair around a convolution or linear into oneDNN's int8
-    kernels; without it they run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp32
-    eager frozen, 1.5x not). On around every call, not only the first, so that a recompile for a new shape
-    freezes too.
-
-    Some graphs compile frozen for fixed shapes but not for a dynamic batch (torch 2.13: a convolution after
-    max-pooling fails a stride check in the quantised-conv lowering, and the broken code stays in the compiled
-    module's cache). From the first failure on, a fresh module is compiled frozen for each shape on its own, up to
-    STATIC_SHAPES of them; other shapes run compiled without freezing."""
-
-    def __init__(self, built: nn.Module):
-        super().__init__()
-        self.built = (built,)      # a reference, not a second registration of its parameters
-        self.frozen = compile_model(_Calls(built))
-        self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
-        self.frozen_shapes: set[tuple] = set()     # compiled frozen in `frozen`: called without the switch
-        self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
-        self.unfreezable: set[tuple] = set()
-
-    def forward(self, *args, **kwargs):
-        shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
-                  else tuple(t.shape for t in tensors((args, kwargs))))
-        if shapes in self.frozen_shapes:   # its code is compiled: switching freezing on costs 20 us a call
-            return self.frozen(*args, **kwargs)
-        if self.unfrozen is not None and not self._frozen_per_shape(shapes):
-            return self.unfrozen(*args, **kwargs)
-        try:
-            with _freezing():
-                out = self.frozen(*args, **kwargs)
-        except Exception as exc:   # inductor's lowerings raise many kinds
-            self._step_down(shapes, exc)
-            return self(*args, **kwargs)
-        self.frozen_shapes.add(shapes)
-        return out
-
-    def _frozen_per_shape(self, shapes: tuple) -> bool:
-        return shapes in self.kept or (shapes not in self.unfreezable
-                                       and len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
-
-    def _step_down(self, shapes: tuple, exc: Exception) -> None:
-        if self.unfrozen is not None:
-            self.unfreezable.add(shapes)
-            return
-        global _said_unfrozen
-        log.log(logging.INFO if _said_unfrozen else logging.WARNING, "compiled engine: inductor cannot freeze this "
-                "model for a dynamic batch (input shapes %s: %s); it is compiled frozen for each shape apart, up to "
-                "%d, and without freezing (int8 kernels dequantised) for others", list(shapes), describe(exc),
-                STATIC_SHAPES)
-        _said_unfrozen = True
-        self.kept, self.frozen_shapes = self.frozen_shapes, set()
-        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False)
-        self.unfrozen = compile_model(_Calls(self.built[0]))
-
-
-_said_unfrozen = False   # the first model freezing fails on is warned of; later ones logged at INFO
-
-
-class _Calls(nn.Module):
-    """Calls `built`: each compiled wrapper has a forward of its own to compile, apart from the other's."""
-
-    def __init__(self, built: nn.Module):
-        super().__init__()
-        self.built = built
-
-    def forward(self, *args, **kwargs):
-        return self.built(*args, **kwargs)
 
 
 @dataclass(frozen=True)
