@@ -3,7 +3,6 @@ lowers each quantise / dequantise pair around a convolution or linear into oneDN
 run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp32 eager frozen, 1.5x not)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -16,23 +15,18 @@ from autotune.tree import tensors
 log = logging.getLogger(__name__)
 
 
-def _freezing() -> contextlib.AbstractContextManager:
-    """Inductor's `freezing` on, through its config module: torch.compile(options={"freezing": True}) fails on
-    these graphs in torch 2.13 (UnsupportedOperatorException: onednn.qconv_prepack), and the pt2e x86 tutorial sets
-    the config. Where a torch has no such setting, nothing is switched (the kernels run dequantised, as before)."""
-    try:
-        from torch._inductor import config
-        return config.patch(freezing=True)
-    except (ImportError, AttributeError, KeyError):
-        return contextlib.nullcontext()
+try:   # inductor's `freezing` switch: see _call_frozen
+    from torch._inductor import config as _inductor_config
+except ImportError:
+    _inductor_config = None
 
 
 STATIC_SHAPES = 8   # shapes a model that cannot be frozen for a dynamic batch is compiled frozen for, each apart
 
 
 class FrozenCompiled(nn.Module):
-    """A converted model under torch.compile, called with inductor's freezing on whenever it may compile (a shape
-    not run before), so that a recompile for a new shape freezes too.
+    """A converted model under torch.compile, called with inductor's freezing on, so that whatever it compiles,
+    for whichever shape, is frozen.
 
     Some graphs compile frozen for fixed shapes but not for a dynamic batch (torch 2.13: a convolution after
     max-pooling fails a stride check in the quantised-conv lowering, and the broken code stays in the compiled
@@ -44,25 +38,40 @@ class FrozenCompiled(nn.Module):
         self.built = (built,)      # a reference, not a second registration of its parameters
         self.frozen = compile_model(_Calls(built))
         self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
-        self.frozen_shapes: set[tuple] = set()     # compiled frozen in `frozen`: called without the switch
+        self.frozen_shapes: set[tuple] = set()     # run frozen in `frozen`
         self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
         self.unfreezable: set[tuple] = set()
 
     def forward(self, *args, **kwargs):
         shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
                   else tuple(t.shape for t in tensors((args, kwargs))))
-        if shapes in self.frozen_shapes:   # its code is compiled: switching freezing on costs 20 us a call
-            return self.frozen(*args, **kwargs)
         if self.unfrozen is not None and not self._frozen_per_shape(shapes):
             return self.unfrozen(*args, **kwargs)
         try:
-            with _freezing():
-                out = self.frozen(*args, **kwargs)
+            out = self._call_frozen(*args, **kwargs)
         except Exception as exc:   # inductor's lowerings raise many kinds
+            if shapes in self.frozen_shapes:
+                raise              # it ran frozen before: not a failure to freeze
             self._step_down(shapes, exc)
             return self(*args, **kwargs)
         self.frozen_shapes.add(shapes)
         return out
+
+    def _call_frozen(self, *args, **kwargs):
+        """`frozen` called with freezing on, on every call: code compiled for a shape can be dropped (a user's
+        `torch.compiler.reset()`) and compiled again at any call. Through inductor's config module: dynamo reads the
+        switch there only (torch.compile(options={"freezing": True}) reaches inductor alone, and these graphs then
+        fail to compile in torch 2.13: UnsupportedOperatorException onednn.qconv_prepack); the x86 pt2e tutorial
+        sets it there. Set and restored directly: `config.patch` costs 20 us a call, 13 % of MNISTNet's at batch 1.
+        Without the module the graph runs compiled unfrozen."""
+        if _inductor_config is None:
+            return self.frozen(*args, **kwargs)
+        prior = _inductor_config.freezing
+        _inductor_config.freezing = True
+        try:
+            return self.frozen(*args, **kwargs)
+        finally:
+            _inductor_config.freezing = prior
 
     def _frozen_per_shape(self, shapes: tuple) -> bool:
         return shapes in self.kept or (shapes not in self.unfreezable
