@@ -54,6 +54,17 @@ def test_the_compiled_engine_keeps_the_plans_fp32_modules_fp32():
     assert ((out - reference).norm() / reference.norm()).item() < 0.05
 
 
+def test_the_compiled_engine_quantises_activations_to_seven_bits_where_the_cpu_lacks_vnni(monkeypatch):
+    from autotune.backends import quantized
+
+    def activation_qmax(vnni: bool) -> set:
+        monkeypatch.setattr(quantized, "has_avx512_vnni", lambda: vnni)
+        converted = realise(mlp(), {"0": "int8", "2": "int8", "4": "int8"}, "compiled", Calibration(batches(), {}))
+        return {node.args[4] for node in converted.graph.nodes if "quantize_per_tensor" in str(node.target)}
+    assert activation_qmax(vnni=True) == {255}
+    assert activation_qmax(vnni=False) == {127}     # oneDNN's int8 kernels saturate with 8 bits there
+
+
 def test_the_compiled_engine_refuses_what_it_cannot_realise():
     assert "int8 and fp32 only" in CompiledEngine().unsupported({"0": "bf16", "2": "int8"})
     with pytest.raises(EngineUnavailable, match="keeps every module in fp32"):
@@ -116,8 +127,9 @@ def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_
     built = realise(model, {"0": "int8", "3": "int8", "6": "int8"}, "compiled", Calibration([((x,), {})], {}))
     runnable = CompiledEngine().runnable(built)
     with torch.inference_mode():
-        for n in (8, 1, 3, 5, 6, 8, 3):
-            assert torch.allclose(runnable(x[:n]), built(x[:n]), atol=1e-5), n
+        for n in (8, 1, 3, 5, 6, 8, 3):   # oneDNN's int8 kernels round apart from the reference graph (AVX2: more)
+            out, reference = runnable(x[:n]), built(x[:n])
+            assert ((out - reference).norm() / reference.norm()).item() < 0.05, n
     assert runnable.unfrozen is not None
     assert len(runnable.frozen_shapes | runnable.kept) == 3 and ((8, 1, 12, 12),) in runnable.frozen_shapes
     said = [r.getMessage() for r in caplog.records if "cannot freeze" in r.getMessage()]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autotune.backends.quantized import resolve_reduce_range
 from autotune.capture import call
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled
@@ -88,7 +89,9 @@ class CompiledEngine:
             raise EngineUnavailable(f"the compiled engine quantises nn.Linear and nn.Conv2d only, not "
                                     f"{type(module).__name__} ({other[0]})")
         quantizer = xiq.X86InductorQuantizer()
-        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=False))
+        # 7-bit activations where the CPU lacks VNNI, as torchao advises: oneDNN's int8 kernels saturate with 8 there
+        quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(
+            is_dynamic=False, reduce_range=resolve_reduce_range(None)))
         for name, dtype in plan.items():
             if dtype == "fp32":
                 quantizer.set_module_name_qconfig(name, None)
