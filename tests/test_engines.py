@@ -136,6 +136,31 @@ def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_
     assert len(said) == 1 and "AssertionError: expected size" in said[0]
 
 
+def test_a_shape_that_cannot_be_frozen_at_all_runs_unfrozen(monkeypatch):
+    """The frozen model's fallbacks alone, on stand-ins for compiled modules: the first compiled module fails from
+    the third batch size on (a dynamic batch), its per-shape successor fails for batch 8, which had run frozen
+    before; batch 8 then runs unfrozen, the others frozen per shape."""
+    from autotune.engines import frozen
+    made = []
+
+    def compile_model(calls, dynamic=None):
+        kind = {0: "dynamic", 1: "per shape", 2: "unfrozen"}[len(made)]
+        seen: set[int] = set()
+        made.append(dynamic)
+
+        def run(x):
+            if (kind == "dynamic" and len(seen) >= 2) or (kind == "per shape" and len(x) == 8):
+                raise RuntimeError(f"{kind} cannot take {len(x)}")
+            seen.add(len(x))
+            return kind
+        return run
+    monkeypatch.setattr(frozen, "compile_model", compile_model)
+    runnable = frozen.FrozenCompiled(nn.Identity())
+    answers = [runnable(torch.zeros(n, 2)) for n in (8, 1, 3, 8, 1)]
+    assert answers == ["dynamic", "dynamic", "per shape", "unfrozen", "per shape"]
+    assert made == [None, False, None]
+
+
 def test_a_model_torchaos_quantizer_cannot_annotate_is_refused_with_the_reason(monkeypatch):
     from torchao.quantization.pt2e import quantize_pt2e
 

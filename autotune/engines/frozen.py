@@ -74,8 +74,8 @@ class FrozenCompiled(nn.Module):
             _inductor_config.freezing = prior
 
     def _frozen_per_shape(self, shapes: tuple) -> bool:
-        return shapes in self.kept or (shapes not in self.unfreezable
-                                       and len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
+        return shapes not in self.unfreezable and (shapes in self.kept
+                                                   or len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
 
     def _step_down(self, shapes: tuple, exc: Exception) -> None:
         if self.unfrozen is not None:
