@@ -48,6 +48,8 @@ def test_the_compiled_engine_keeps_the_plans_fp32_modules_fp32():
     model, plan = mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
     converted = realise(model, plan, "compiled", Calibration(batches(), {}))
     assert weight_of_each_linear(converted) == plan
+    # The int8 modules' fp32 weights are not kept beside their int8 ones; the fp32 module's is.
+    assert {name for name in converted.state_dict() if name.endswith("weight")} == {"2.weight"}
     x = torch.randn(5, 32)                      # a batch size export never saw
     with torch.no_grad():
         reference, out = model(x), converted(x)

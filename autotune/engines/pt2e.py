@@ -67,6 +67,18 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
         raise first from None
 
 
+def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`converted` without the parameters and buffers its graph no longer reads: convert_pt2e keeps each quantised
+    module's fp32 weight beside the int8 one it computes with, so the model would hold and save both (MNISTNet: 2.0
+    MiB where fp32 alone is 1.6)."""
+    read = {str(node.target) for node in converted.graph.nodes if node.op == "get_attr"}
+    for name in [n for n, _ in [*converted.named_parameters(), *converted.named_buffers()] if n not in read]:
+        owner, _, leaf = name.rpartition(".")
+        delattr(converted.get_submodule(owner), leaf)
+    converted.delete_all_unused_submodules()
+    return converted
+
+
 @dataclass(frozen=True)
 class CompiledEngine:
     name: str = "compiled"
@@ -101,7 +113,7 @@ class CompiledEngine:
             with torch.no_grad():
                 for batch in calibration.batches:
                     call(prepared, batch)
-            return convert_pt2e(prepared)
+            return _without_unread_tensors(convert_pt2e(prepared))
 
     def runnable(self, built: nn.Module) -> nn.Module:
         return FrozenCompiled(built)
