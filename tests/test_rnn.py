@@ -65,7 +65,7 @@ def test_int8_rnn_shrinks_weights_shares_them_between_copies_and_survives_save()
     lowered = get_backend("int8").apply(rnn, None)
     assert weight_bytes(lowered) < weight_bytes(rnn) / 3
     copied = copy.deepcopy(lowered)
-    assert copied._cells is lowered._cells and weight_bytes(copied) == weight_bytes(lowered)
+    assert copied._packed is lowered._packed and weight_bytes(copied) == weight_bytes(lowered)
     buffer = io.BytesIO()
     torch.save(copied, buffer)
     buffer.seek(0)

@@ -12,20 +12,19 @@ from torch.nn.utils.rnn import PackedSequence
 
 from autotune.backends.base import CallInputs, Technique
 from autotune.backends.quantized import (
+    Int8Kernels,
     engine_available,
     per_channel_qweight,
     plain_type,
     qint8_nbytes,
     quantized_engine,
     resolve_reduce_range,
-    warn_if_loaded_where_it_saturates,
 )
-from autotune.clone import copy_module_state
 
 RNN_TYPES = (nn.LSTM, nn.GRU)
 
 
-class DynamicInt8RNN(nn.Module):
+class DynamicInt8RNN(Int8Kernels):
     """An `nn.LSTM` or `nn.GRU` (inference only) running int8 weights; called and answering as the module it
     replaces: tensor or PackedSequence input, optional initial state, batched or not."""
 
@@ -36,7 +35,7 @@ class DynamicInt8RNN(nn.Module):
         for name in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional"):
             setattr(self, name, getattr(rnn, name))
         self._nbytes = 0
-        self._cells: list[torch.ScriptObject] = []
+        self._packed: list[torch.ScriptObject] = []   # one cell per layer and direction
         with quantized_engine(engine):
             for layer in range(rnn.num_layers):
                 for suffix in ("", "_reverse")[: 2 if rnn.bidirectional else 1]:
@@ -50,19 +49,8 @@ class DynamicInt8RNN(nn.Module):
                         self._nbytes += qint8_nbytes(qweight, None)
                         # as PackedInt8 keeps its bias: the model keeps parameters, named as torch's
                         self.register_parameter(name, nn.Parameter(bias.clone(), requires_grad=False))
-                    self._cells.append(torch.ops.quantized.make_quantized_cell_params_dynamic(
+                    self._packed.append(torch.ops.quantized.make_quantized_cell_params_dynamic(
                         *packed, *biases, reduce_range))
-
-    def __deepcopy__(self, memo: dict) -> DynamicInt8RNN:
-        memo[id(self._cells)] = self._cells   # packed weights no op changes: copies share them
-        return copy_module_state(self, memo)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        warn_if_loaded_where_it_saturates(self)
-
-    def weight_nbytes(self) -> int:
-        return self._nbytes
 
     def flatten_parameters(self) -> None:
         """Nothing to do: the packed weights are one block already (models call this on their RNNs in forward)."""
@@ -80,7 +68,7 @@ class DynamicInt8RNN(nn.Module):
         else:   # the index's length where it has one: reading batch_sizes[0] would break a compiled graph
             batch = int(input.batch_sizes[0]) if input.sorted_indices is None else input.sorted_indices.numel()
         hx = self._initial_state(hx, batch, data.device, input.sorted_indices if packed else None)
-        common = (self._cells, True, self.num_layers, float(self.dropout), False, self.bidirectional)
+        common = (self._packed, True, self.num_layers, float(self.dropout), False, self.bidirectional)
         data = data.float()
         if self.mode == "LSTM":
             if packed:

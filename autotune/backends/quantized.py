@@ -75,16 +75,6 @@ def resolve_reduce_range(reduce_range: bool | None) -> bool:
     return not has_avx512_vnni() if reduce_range is None else reduce_range
 
 
-def warn_if_loaded_where_it_saturates(module: nn.Module) -> None:
-    """Called as an unpickled int8 module is set up: one built with 8-bit activations (on a CPU with AVX512-VNNI)
-    and loaded on a CPU without it runs kernels that can saturate, so it may score below what was measured."""
-    if module.reduce_range is False and not has_avx512_vnni():
-        warnings.warn(f"{type(module).__name__}: this int8 model was built with 8-bit activations on a CPU with "
-                      "AVX512-VNNI; this CPU adds int8 products in int16, where 8 bits can saturate, so its accuracy "
-                      "here may differ from what was measured. Apply the plan on this machine (`autotune apply`) "
-                      "for 7-bit activations.", RuntimeWarning, stacklevel=2)
-
-
 def activation_qmax(reduce_range: bool) -> int:
     return 127 if reduce_range else 255
 
@@ -104,8 +94,34 @@ def qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
     return qweight.numel() + per_channel + (bias.numel() * bias.element_size() if bias is not None else 0)
 
 
-class PackedInt8(nn.Module):
-    """Holds FBGEMM's packed weights, which no op changes in place: copies of the module share them.
+class Int8Kernels(nn.Module):
+    """What every module running FBGEMM's int8 kernels holds: packed weights (`_packed`: one, or a list of them),
+    which no op changes in place, so copies of the module share them; the bytes of its int8 weights; the activation
+    bits it was built with (`reduce_range`). One built with 8 bits (on a CPU with AVX512-VNNI) and unpickled on a
+    CPU without it warns: its kernels can saturate there, so it may score below what was measured."""
+
+    _packed: torch.ScriptObject | list[torch.ScriptObject]
+    _nbytes: int
+    reduce_range: bool
+
+    def __deepcopy__(self, memo: dict) -> Int8Kernels:
+        memo[id(self._packed)] = self._packed
+        return copy_module_state(self, memo)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.reduce_range is False and not has_avx512_vnni():
+            warnings.warn(f"{type(self).__name__}: this int8 model was built with 8-bit activations on a CPU with "
+                          "AVX512-VNNI; this CPU adds int8 products in int16, where 8 bits can saturate, so its "
+                          "accuracy here may differ from what was measured. Apply the plan on this machine "
+                          "(`autotune apply`) for 7-bit activations.", RuntimeWarning, stacklevel=2)
+
+    def weight_nbytes(self) -> int:
+        return self._nbytes
+
+
+class PackedInt8(Int8Kernels):
+    """Holds one module's packed weights.
 
     `weight` reads as the float tensor the int8 one stands for, dequantised on first read and then kept: parents
     read their children's (`self.wo.weight.dtype` in T5, a tied use). `bias` is the float bias, a frozen
@@ -114,19 +130,6 @@ class PackedInt8(nn.Module):
     weights and their scales; the bias counts as a parameter."""
 
     _packed: torch.ScriptObject
-    _nbytes: int
-    reduce_range: bool
-
-    def __deepcopy__(self, memo: dict) -> PackedInt8:
-        memo[id(self._packed)] = self._packed
-        return copy_module_state(self, memo)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        warn_if_loaded_where_it_saturates(self)
-
-    def weight_nbytes(self) -> int:
-        return self._nbytes
 
     def _keep(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Registers the float bias and counts the int8 weight's bytes (after packing them)."""
