@@ -60,14 +60,18 @@ def relative_loss(baseline: float, accuracy: float) -> float:
     return (baseline - accuracy) / abs(baseline)
 
 
-def top1_agreement(reference: nn.Module, data: list[tuple]):
-    """An eval_fn: the share of `data`'s examples (batches of positional inputs) on which a model's top-1 class is
-    the reference model's, so the reference scores 1.0 (random-weight models, no labels)."""
-    with torch.inference_mode():
-        labels = [reference(*batch).argmax(-1) for batch in data]
+def top1_accuracy(data: list[tuple], labels: list[torch.Tensor]):
+    """An eval_fn: the share of `data`'s examples (batches of positional inputs) whose top-1 class is the label."""
     examples = sum(len(y) for y in labels)
 
     def eval_fn(candidate: nn.Module) -> float:
         with torch.inference_mode():
             return sum((candidate(*batch).argmax(-1) == y).sum().item() for batch, y in zip(data, labels)) / examples
     return eval_fn
+
+
+def top1_agreement(reference: nn.Module, data: list[tuple]):
+    """top1_accuracy with the reference model's predictions as labels, so the reference scores 1.0 (random-weight
+    models, no labels)."""
+    with torch.inference_mode():
+        return top1_accuracy(data, [reference(*batch).argmax(-1) for batch in data])

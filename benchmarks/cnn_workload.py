@@ -7,6 +7,7 @@ real margins, some of them thin, as a trained model's are)."""
 from __future__ import annotations
 
 import torch
+from candidates import top1_accuracy
 from torch import nn
 from torch.nn import functional as F
 
@@ -78,11 +79,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def accuracy_eval():
     data = batches()
-
-    def eval_fn(candidate: nn.Module) -> float:
-        with torch.inference_mode():
-            return sum((candidate(x).argmax(-1) == y).sum().item() for x, y in data) / IMAGES
-    return eval_fn
+    return top1_accuracy([(x,) for x, _ in data], [y for _, y in data])
 
 
 def example_inputs():
