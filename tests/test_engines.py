@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import types
 
 import pytest
@@ -161,6 +162,25 @@ def test_a_shape_that_cannot_be_frozen_at_all_runs_unfrozen(monkeypatch):
     answers = [runnable(torch.zeros(n, 2)) for n in (8, 1, 3, 8, 1)]
     assert answers == ["dynamic", "dynamic", "per shape", "unfrozen", "per shape"]
     assert made == [None, False, None]
+
+
+def test_inputs_the_model_itself_refuses_raise_its_error_and_leave_the_frozen_code_alone(caplog):
+    """A call with inputs the converted graph cannot take is the caller's mistake, not a failure to freeze: it
+    raises the graph's own error, and the model goes on running frozen for a dynamic batch."""
+    torch.manual_seed(0)
+    model, x = mlp(), batches()[0][0][0]
+    built = realise(model, {"0": "int8", "2": "fp32", "4": "int8"}, "compiled", Calibration(batches(), {}))
+    runnable = CompiledEngine().runnable(built)
+    with torch.inference_mode():
+        runnable(x)
+        wrong = torch.randn(3, x.shape[1] + 1)
+        with pytest.raises(Exception) as by_the_graph:
+            built(wrong)
+        with pytest.raises(by_the_graph.type, match=re.escape(str(by_the_graph.value))):
+            runnable(wrong)
+        assert runnable(x[:3]).shape[0] == 3
+    assert runnable.unfrozen is None and not runnable.unfreezable
+    assert not [r for r in caplog.records if "cannot freeze" in r.getMessage()]
 
 
 def test_a_model_torchaos_quantizer_cannot_annotate_is_refused_with_the_reason(monkeypatch):

@@ -52,6 +52,7 @@ class FrozenCompiled(nn.Module):
         except Exception as exc:   # inductor's lowerings raise many kinds
             if shapes in self.frozen_shapes:
                 raise              # it ran frozen before: not a failure to freeze
+            self.built[0](*args, **kwargs)   # inputs the graph itself refuses: the caller's error, raised as such
             self._step_down(shapes, exc)
             return self(*args, **kwargs)
         self.frozen_shapes.add(shapes)
