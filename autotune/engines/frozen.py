@@ -4,6 +4,7 @@ run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -13,6 +14,11 @@ from autotune.errors import describe
 from autotune.tree import tensors
 
 log = logging.getLogger(__name__)
+
+# inductor's int8 convolution lowering copies a tensor with torch.tensor() at every frozen compile (torch 2.13): its
+# own advice to itself, not the user's concern
+warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning,
+                        module=r"torch\._inductor\.mkldnn_lowerings")
 
 
 try:   # inductor's `freezing` switch: see _call_frozen

@@ -24,11 +24,12 @@ QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer
 
 def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """Every dimension of every input tensor left for export to decide (Dim.AUTO: dynamic where the model allows
-    it): batches differ in size and, for sequence models, in length. By parameter name, as export needs for
-    keyword inputs; None for what is not a tensor (a float or flag argument)."""
+    it): batches differ in size and, for sequence models, in length. Not those of size 0 or 1, which export
+    specialises whatever it is told (and warns of each). By parameter name, as export needs for keyword inputs;
+    None for what is not a tensor (a float or flag argument)."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} or None,
-                       lambda other: None)
+    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i, n in enumerate(t.shape) if n > 1}
+                       or None, lambda other: None)
 
 
 def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.ExportedProgram:
