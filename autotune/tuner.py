@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from optuna.storages import BaseStorage
 from torch import nn
 
 from autotune.backends.base import CallInputs
@@ -39,10 +40,18 @@ from autotune.storage.rdb import open_storage
 log = logging.getLogger("autotune")
 
 
-def study_name_for(model: nn.Module, config: TuningConfig, candidates: dict[str, list[str]] | None = None) -> str:
-    """The configured study name, or the one derived from the model class and search space."""
-    return config.study_name or studies.default_study_name(
+def study_name_for(model: nn.Module, config: TuningConfig, candidates: dict[str, list[str]] | None = None,
+                   storage: BaseStorage | None = None, weights: dict[str, list[float]] | None = None) -> str:
+    """The configured study name, or the one derived from the model class and search space (in `storage`, the one
+    of those that holds the model's weights: studies.study_name_for_weights)."""
+    if config.study_name:
+        return config.study_name
+    name = studies.default_study_name(
         type(model).__name__, candidates if candidates is not None else search_candidates(model, config), config)
+    if storage is None:
+        return name
+    return studies.study_name_for_weights(storage, name, studies.weights_signature(model) if weights is None
+                                          else weights)
 
 
 def run_settings(config: TuningConfig, device: torch.device, allocation: str) -> dict[str, Any]:
@@ -126,9 +135,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     device = torch.device(config.device)
     fp32 = clone(model).eval().to(device)
     candidates = search_candidates(fp32, config)
-    name = study_name_for(model, config, candidates)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
-    study = studies.open_study(config, name, candidates, storage)
+    weights = studies.weights_signature(fp32)
+    name = study_name_for(model, config, candidates, storage, weights)
+    study = studies.open_study(config, name, candidates, storage, weights)
     allocation = allocation_while_timing(config.steady_allocation)
     log.info("%s", allocation)
     studies.set_attr(study, "settings", run_settings(config, device, allocation))

@@ -43,10 +43,10 @@ from autotune.tuner import finish, search, start_runner, study_name_for
 
 def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int]:
     """(study name, evaluated trials already in it): what a resumed run starts from."""
-    name = study_name_for(model, config)
     if missing_sqlite(config.storage):
-        return name, 0
+        return study_name_for(model, config), 0
     storage = open_storage(config.storage)
+    name = study_name_for(model, config, storage=storage)
     if name not in optuna.get_all_study_names(storage):
         return name, 0
     return name, len(studies.evaluated_trials(optuna.load_study(study_name=name, storage=storage)))

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import json
+import logging
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import optuna
+import torch
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
@@ -26,6 +29,7 @@ from autotune.storage.rdb import shown
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
+log = logging.getLogger("autotune")
 
 
 def default_study_name(model_class: str, candidates: dict[str, list[str]], config: TuningConfig) -> str:
@@ -38,12 +42,52 @@ def default_study_name(model_class: str, candidates: dict[str, list[str]], confi
     return f"{model_class}-{hashlib.sha1(space.encode()).hexdigest()[:10]}"
 
 
+# Relative difference past which two weights signatures are two models: a model built again on another CPU (a head
+# fitted there) differs in its last bits, ~1e-7; retraining or fine-tuning moves its weights by far more.
+WEIGHTS_RTOL = 1e-5
+
+
+def weights_signature(model: torch.nn.Module) -> dict[str, list[float]]:
+    """{state entry: [sum of |w|, sum of w²]} (in float64) for each tensor of the model's state: what tells one set of
+    weights from another, across machines."""
+    signature = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            values = (value.dequantize() if value.is_quantized else value).detach().double()
+            signature[name] = [values.abs().sum().item(), values.square().sum().item()]
+    return signature
+
+
+def same_weights(one: dict[str, list[float]], other: dict[str, list[float]]) -> bool:
+    return one.keys() == other.keys() and all(
+        math.isclose(a, b, rel_tol=WEIGHTS_RTOL, abs_tol=1e-12) for name in one for a, b in zip(one[name], other[name]))
+
+
+def study_name_for_weights(storage: BaseStorage, name: str, weights: dict[str, list[float]]) -> str:
+    """`name`, or where that study holds another model's weights (the same class and search space, retrained), the
+    first of `name`.2, `name`.3, ... that is new or holds these weights: a derived name leads each set of weights to
+    its own study, and a resumed run back to its own."""
+    existing = set(optuna.get_all_study_names(storage))
+    for number in itertools.count(1):
+        candidate = name if number == 1 else f"{name}.{number}"
+        if candidate not in existing:
+            return candidate
+        stored = get_attr(optuna.load_study(study_name=candidate, storage=storage), "weights")
+        if stored is None or same_weights(stored, weights):
+            if number > 1:
+                log.info("study %r holds trials of other weights of this model; these are tuned in %r", name,
+                         candidate)
+            return candidate
+    raise AssertionError("unreachable")
+
+
 def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list[str]],
-               storage: BaseStorage) -> optuna.Study:
+               storage: BaseStorage, weights: dict[str, list[float]]) -> optuna.Study:
     """Creates the study in `storage`, or loads it if it exists.
 
     Raises:
-        StudyMismatchError: the existing study was made for another objective, other modules or dtypes.
+        StudyMismatchError: the existing study was made for another objective, other modules or dtypes, or other
+            weights.
     """
     # Not a line per trial from Optuna, nor its traceback of each failed trial: the tuner logs each failure itself,
     # with its reason, in one line.
@@ -66,6 +110,10 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
         raise StudyMismatchError(
             f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
             f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
+    if not same_weights(_recorded(study, "weights", weights), weights):
+        raise StudyMismatchError(
+            f"study {study_name!r} in {shown(config.storage)} was tuned on other weights of this model (retrained or "
+            f"fine-tuned since?): its trials' scores do not hold for these; use another study_name")
     return study
 
 

@@ -1,0 +1,61 @@
+"""Which study a run reuses: a study's trials hold for the weights they were evaluated on, so a retrained model of
+the same class and search space is tuned afresh, while a model built again elsewhere (last bits apart) resumes."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.errors import StudyMismatchError
+from autotune.storage.study import same_weights, weights_signature
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from simulator import SimWorkload  # noqa: E402
+
+
+def tune(sim, model, storage, study_name=None):
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+                          max_trials=4, repeats=3, storage=storage, study_name=study_name)
+    return autotune(model, config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+
+
+def scaled(model, factor):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(factor)
+    return model
+
+
+def test_a_retrained_model_is_tuned_in_a_study_of_its_own_and_each_set_of_weights_resumes_its_own(storage):
+    sim = SimWorkload(6, eval_cost_s=0)
+    first = tune(sim, sim.model(), storage)
+    name = first.study.study_name
+    retrained = tune(sim, scaled(sim.model(), 1.01), storage)
+    assert retrained.study.study_name == f"{name}.2"
+    assert retrained.trials_evaluated >= 4 and retrained.eval_calls >= 4      # searched, not read back
+    again = tune(sim, sim.model(), storage)
+    assert again.study.study_name == name and again.trials_evaluated == first.trials_evaluated
+    assert again.eval_calls < first.eval_calls                                 # resumed: no trial evaluated again
+    rebuilt = tune(sim, scaled(sim.model(), 1 + 1e-7), storage)   # another CPU's last bits
+    assert rebuilt.study.study_name == name
+
+
+def test_a_named_study_tuned_on_other_weights_is_refused_with_the_reason(storage):
+    sim = SimWorkload(6, eval_cost_s=0)
+    tune(sim, sim.model(), storage, study_name="mine")
+    with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was tuned on other weights of this model"):
+        tune(sim, scaled(sim.model(), 1.01), storage, study_name="mine")
+
+
+def test_weights_signatures_tell_models_apart_by_their_values_names_and_buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    signature = weights_signature(model)
+    assert set(signature) == set(model.state_dict())          # buffers too (running statistics)
+    assert same_weights(signature, weights_signature(scaled(model, 1 + 1e-8)))
+    assert not same_weights(signature, weights_signature(scaled(model, 1 + 1e-3)))
+    model[1].running_var.fill_(2.0)
+    assert not same_weights(signature, weights_signature(model))
+    renamed = {f"x.{name}": value for name, value in signature.items()}
+    assert not same_weights(signature, renamed)
