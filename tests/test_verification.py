@@ -34,7 +34,7 @@ class ScriptedMeasurer:
         return {"0": {"int8": 0.5, "fp32": 1.0}, "1": {"int8": 0.5, "fp32": 1.0}, "2": {"int8": 1.0, "fp32": 1.0}}
 
     def latency(self, models, inputs, repeats, warmup=None):
-        ratios = TRIAL_RATIO if len(models) == 2 else VERIFY_RATIO   # a trial times its plan against fp32 alone
+        ratios = TRIAL_RATIO if "plan" in models else VERIFY_RATIO   # a trial times "plan" against fp32 alone
         return {name: LatencyStats(FP32_MS * ratios[plan_key(plan_of(model, NAMES))], 0.0, repeats)
                 for name, model in models.items()}
 
@@ -51,6 +51,38 @@ def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest
     assert trial_ratios[:3] == pytest.approx([0.55, 0.6, 0.65]) and max(trial_ratios) == pytest.approx(0.9)
     assert result.plan == UNIFORM
     assert result.best.latency.median_ms == pytest.approx(FP32_MS * 0.5)
+
+
+class RaceReadsHigh(ScriptedMeasurer):
+    """The finalists' race times the uniform plan at `VERIFY_RATIO`; timed again on its own against fp32, at
+    `alone` of fp32's time."""
+
+    def __init__(self, alone: float):
+        self.alone = alone
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        if "plan" in models or len(models) > 2:
+            return super().latency(models, inputs, repeats, warmup)
+        return {name: LatencyStats(FP32_MS * (1.0 if name == "fp32" else self.alone), 0.0, repeats)
+                for name in models}
+
+
+@pytest.mark.parametrize("alone", [0.8, 1.05])
+def test_the_speedup_reported_is_the_winners_timed_again_on_its_own_and_fp32_is_kept_where_it_is_no_faster(
+        tmp_path, alone, caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+                          max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
+    inputs = torch.randn(2, 8)
+    result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=RaceReadsHigh(alone))
+    if alone < 1:
+        assert result.plan == UNIFORM and result.speedup == pytest.approx(1 / alone)
+        assert result.best.latency.median_ms == pytest.approx(FP32_MS * alone)
+    else:
+        assert set(result.plan.values()) == {"fp32"} and result.speedup == 1.0
+        assert any("timed again against fp32 on its own, ran no faster (1.05x its time)" in r.getMessage()
+                   for r in caplog.records)
 
 
 class EngineBlindMeasurer(ScriptedMeasurer):

@@ -202,7 +202,8 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
 
 
 def verified_winner(runner: TrialRunner) -> Winner:
-    """Re-times the finalists interleaved with fp32 and re-evaluates the fastest; fp32 if none holds."""
+    """Re-times the finalists interleaved with fp32 and re-evaluates the fastest; the first that passes is timed
+    once more for the figures reported. fp32 if none holds."""
     config = runner.config
     candidates = finalists(runner)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
@@ -232,13 +233,31 @@ def verified_winner(runner: TrialRunner) -> Winner:
             log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
             continue
         if config.passes(runner.baseline, accuracy):
-            return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name),
-                          ratio[name], finalist.setup_s, finalist.knobs)
+            return _timed_again(runner, finalist, name, accuracy)
         log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where %.4g "
                     "is tolerable); trying the next", name, accuracy, config.accuracy_loss(runner.baseline, accuracy),
                     config.tolerable_loss)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
+    return _fp32_winner(runner, by_shape)
+
+
+def _fp32_winner(runner: TrialRunner, by_shape: dict[str, dict[str, LatencyStats]]) -> Winner:
     return Winner(_fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+
+
+def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: float) -> Winner:
+    """The winner timed against fp32 once more, on its own: its figure in the race is the fastest of many noisy ones,
+    which reads high (3-19 % on unseen models), so the speedup reported is this one. Where the winner then runs no
+    faster than fp32, fp32 is kept."""
+    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, name: finalist.runnable}, runner.shapes,
+                                runner.config.repeats, warmup=0)
+    ratio = weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
+    if ratio >= 1.0:
+        log.warning("%s, timed again against fp32 on its own, ran no faster (%.2fx its time); keeping fp32 eager",
+                    name, ratio)
+        return _fp32_winner(runner, by_shape)
+    return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name), ratio,
+                  finalist.setup_s, finalist.knobs)
 
 
 def _builds_as_trials(engine: Engine) -> bool:
