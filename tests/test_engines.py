@@ -616,3 +616,22 @@ def test_building_calling_and_saving_a_compiled_int8_model_leaves_no_torch_inter
     assert (tmp_path / "m.pt2").stat().st_size > 0
     for internal in ("Dim.AUTO was specified", "To copy construct from a tensor"):
         assert internal not in done.stderr, done.stderr
+
+
+def test_a_compiled_engine_model_saves_with_torch_save_and_runs_frozen_where_it_is_loaded(tmp_path):
+    """What `autotune()` returns for the compiled engine pickles as its exported graph (the converted graph itself
+    does not), and is compiled again, frozen, where it is loaded; one never called cannot be exported yet."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval(), torch.randn(4, 3, 12, 12)
+    built = realise(model, {"0": "int8", "2": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    runnable = CompiledEngine().runnable(built)
+    with pytest.raises(TypeError, match="saved once it has been called"):
+        torch.save(runnable, tmp_path / "early.pt")
+    with torch.inference_mode():
+        expected = runnable(x)
+    torch.save(runnable, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.inference_mode():
+        assert torch.allclose(loaded(x), expected, atol=1e-4)
+        assert loaded(x[:1]).shape == (1, 8, 8, 8)
+    assert is_compiled(loaded.frozen) and loaded.frozen_shapes

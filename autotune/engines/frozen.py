@@ -11,7 +11,7 @@ from torch import nn
 
 from autotune.engines.base import compile_model
 from autotune.errors import describe
-from autotune.tree import tensors
+from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,14 @@ class FrozenCompiled(nn.Module):
         self.frozen_shapes: set[tuple] = set()     # run frozen in `frozen`
         self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
         self.unfreezable: set[tuple] = set()
+        self.example = None    # zeros shaped as the first call's inputs: what saving exports the graph on
 
     def forward(self, *args, **kwargs):
+        if self.example is None:
+            self.example = map_tensors((args, kwargs), torch.zeros_like)
+        return self._frozen_call(*args, **kwargs)
+
+    def _frozen_call(self, *args, **kwargs):
         shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
                   else tuple(t.shape for t in tensors((args, kwargs))))
         if self.unfrozen is not None and not self._frozen_per_shape(shapes):

@@ -4,6 +4,7 @@ quantizer, and inductor compiles the result so that quantise / dequantise pairs 
 from __future__ import annotations
 
 import inspect
+import io
 import warnings
 from dataclasses import dataclass
 
@@ -117,15 +118,39 @@ class CompiledEngine:
             return _without_unread_tensors(convert_pt2e(prepared))
 
     def runnable(self, built: nn.Module) -> nn.Module:
-        return FrozenCompiled(built)
+        return SavedAsExported(built)
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
         with open(path, "wb") as out:
-            torch.export.save(export(built, inputs), out)
+            _write_exported(built, inputs, out)
         return ("torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
                 "(inductor then runs int8 kernels)")
 
     def load(self, path: str) -> nn.Module:
         with open(path, "rb") as saved:
             return torch.export.load(saved).module()
+
+
+class SavedAsExported(FrozenCompiled):
+    """The engine's model as it runs. Saved (torch.save, pickle, copy.deepcopy) as its graph exported on zeros shaped
+    as its first call's inputs (the graph of a converted model does not pickle), and compiled again where it is next
+    called: compiled code is made for the machine it runs on."""
+
+    def __reduce__(self):
+        if self.example is None:
+            raise TypeError("a compiled-engine model is saved once it has been called: its graph is exported on "
+                            "inputs shaped as its first call's")
+        exported = io.BytesIO()
+        _write_exported(self.built[0], self.example, exported)
+        return _loaded, (exported.getvalue(), self.example)
+
+
+def _write_exported(built: nn.Module, inputs, out) -> None:
+    torch.export.save(export(built, inputs), out)
+
+
+def _loaded(exported: bytes, example) -> SavedAsExported:
+    runnable = SavedAsExported(torch.export.load(io.BytesIO(exported)).module())
+    runnable.example = example
+    return runnable
