@@ -61,12 +61,15 @@ def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) ->
     return candidates
 
 
-QKV_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))
+# Sibling names of q/k/v projections in common models: BERT / ViT, BART / LLaMA / CLIP / Whisper, T5 / MPNet,
+# DistilBERT, DeBERTa, Funnel
+QKV_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"),
+             ("query_proj", "key_proj", "value_proj"), ("q_head", "k_head", "v_head"))
 
 
 def qkv_groups(candidates: dict[str, list[str]]) -> list[list[str]]:
-    """The q/k/v projections of each attention block (siblings named query/key/value, q_proj/k_proj/v_proj
-    or q/k/v): they read the same input, so one dtype for all three is the natural unit."""
+    """The q/k/v projections of each attention block (siblings named as in QKV_NAMES): they read the same input,
+    so one dtype for all three is the natural unit."""
     groups = []
     parents = dict.fromkeys(name.rpartition(".")[0] for name in candidates)
     for parent in parents:

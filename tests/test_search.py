@@ -74,9 +74,11 @@ def test_a_group_naming_an_unknown_or_doubly_grouped_module_is_a_config_error():
 def test_qkv_siblings_are_found_per_attention_block():
     from autotune.discovery import qkv_groups
     names = ["l0.attn.query", "l0.attn.key", "l0.attn.value", "l0.out", "l1.attn.q_proj", "l1.attn.k_proj",
-             "l1.attn.v_proj", "l2.attn.query", "l2.attn.key"]
+             "l1.attn.v_proj", "l2.attn.query", "l2.attn.key", "l3.attention.q_lin", "l3.attention.k_lin",
+             "l3.attention.v_lin", "l3.attention.out_lin"]
     assert qkv_groups({n: ["fp32"] for n in names}) == [
-        ["l0.attn.query", "l0.attn.key", "l0.attn.value"], ["l1.attn.q_proj", "l1.attn.k_proj", "l1.attn.v_proj"]]
+        ["l0.attn.query", "l0.attn.key", "l0.attn.value"], ["l1.attn.q_proj", "l1.attn.k_proj", "l1.attn.v_proj"],
+        ["l3.attention.q_lin", "l3.attention.k_lin", "l3.attention.v_lin"]]
 
 
 def run_guided(s, passes, workers=1, loss=None):
