@@ -154,7 +154,9 @@ class TuningConfig(ConfigModel):
     tolerable_loss: float = Field(0.01, ge=0)
     loss_kind: Literal["relative", "absolute"] = "relative"
     higher_is_better: bool = True
-    max_trials: int = Field(40, ge=1, description="evaluated trials (eval_fn calls) in the study, resumes included")
+    max_trials: int = Field(40, ge=1, description="evaluated trials in the study, resumes included: one eval_fn "
+                            "call each; a run also scores the fp32 baseline and re-scores the winner as it runs (2 "
+                            "calls more, or one per finalist that misses)")
     patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
