@@ -77,13 +77,14 @@ def fidelity_eval(delay_s: float = 1.2, seed: int = 2):
 
 
 def write_config(folder: Path, study_name: str, evaluation: dict, **tuning) -> Path:
-    """A YAML config tuning this workload into `folder`/s.db: int8 or fp32 per layer, tolerance 0.01, quick timing."""
+    """A YAML config tuning this workload into `folder`/s.db: int8 or fp32 per layer, tolerance 0.01, quick timing,
+    finalists run eager (no compiling)."""
     config = {
         "model": {"factory": "resume_workload:model"},
         "evaluation": evaluation,
         "example_inputs": {"factory": "resume_workload:example_inputs"},
         "tuning": {"config_set": {"dtype": ["int8", "fp32"]}, "tolerable_loss": 0.01, "repeats": 5, "warmup": 1,
-                   "num_threads": 1, "seed": 0, **tuning, "study_name": study_name,
+                   "num_threads": 1, "seed": 0, "engines": ["eager"], **tuning, "study_name": study_name,
                    "storage": f"sqlite:///{folder}/s.db"},
     }
     path = folder / f"{study_name}.yaml"

@@ -64,7 +64,8 @@ def test_the_study_records_how_memory_was_allocated_while_timing(tmp_path, stead
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
     x = torch.randn(4, 8)
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.5,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.5,
                           max_trials=2, steady_allocation=steady, storage=f"sqlite:///{tmp_path}/a.db")
     result = autotune(model, config, fidelity(model, x), x, measurer=HalfCostMeasurer(["0", "2"]))
     recorded = studies.get_attr(result.study, "settings")["allocation"]

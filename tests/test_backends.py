@@ -165,7 +165,8 @@ def test_a_model_whose_every_module_is_int8_keeps_its_biases_as_parameters(stora
         with torch.no_grad():
             return 1 - ((net(x.to(device)) - reference).norm() / reference.norm()).item()
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
                           max_trials=3, storage=storage)
     result = autotune(model, config, eval_fn, measurer=HalfCostMeasurer(["0", "3"]))
     assert result.plan == {"0": "int8", "3": "int8"}

@@ -16,6 +16,13 @@ def test_config_set_from_plain_dicts():
     assert config.tolerable_loss == 0.02
 
 
+def test_finalists_run_in_every_engine_of_the_device_unless_engines_are_given():
+    assert TuningConfig().engines == ["eager", "compiled", "inductor", "lowp"]
+    assert TuningConfig.from_mapping({"device": "cuda:0"}).engines == ["eager", "inductor", "lowp"]   # x86 int8
+    assert TuningConfig(device="cuda", engines="compiled").engines == ["compiled"]   # the engine then says why not
+    assert TuningConfig.from_mapping({"engines": ["eager"]}).engines == ["eager"]
+
+
 def test_unknown_field_is_rejected_naming_it():
     with pytest.raises(ConfigError) as info:
         TuningConfig(max_trial=10)

@@ -35,7 +35,8 @@ def tuned_study(storage: str, study_name: str):
     def eval_fn(m):
         return 1 - ((m(x) - reference).norm() / reference.norm()).item()
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=4, storage=storage, study_name=study_name)
     return autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer(NAMES)).study
 

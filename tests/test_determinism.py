@@ -21,7 +21,8 @@ from simulator import SimWorkload  # noqa: E402
 
 def trial_sequence(storage: str, study_name: str, seed: int) -> list[tuple]:
     sim = SimWorkload(30, eval_cost_s=0)
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           max_trials=24, patience=100, repeats=3, seed=seed, storage=storage, study_name=study_name)
     result = autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
     return [(t.user_attrs.get("source", "sampler"), tuple(sorted(trial_plan(t).items())))
@@ -55,7 +56,8 @@ def test_same_stored_signals_same_trial_plans_with_the_real_device_measurer(stor
             return nn.functional.cosine_similarity(net(inputs), reference, dim=1).mean().item()
 
     def run(study_name: str) -> list[tuple]:
-        config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=1e-4,
+        config = TuningConfig(engines=["eager"],
+                              config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=1e-4,
                               max_trials=12, patience=1000, warmup=1, repeats=3, seed=3, storage=storage,
                               study_name=study_name)
         result = autotune(linear_stack(), config, eval_fn, example_inputs=inputs)

@@ -72,6 +72,8 @@ def test_the_compiled_engine_refuses_what_it_cannot_realise():
     assert "int8 and fp32 only" in CompiledEngine().unsupported({"0": "bf16", "2": "int8"})
     with pytest.raises(EngineUnavailable, match="keeps every module in fp32"):
         realise(mlp(), dict.fromkeys(NAMES, "fp32"), "compiled", Calibration(batches(), {}))
+    with pytest.raises(EngineUnavailable, match="int8 kernels run on x86 CPUs, not on meta"):
+        realise(mlp().to("meta"), {"0": "int8", "2": "int8"}, "compiled", Calibration(batches(), {}))
 
 
 class SharedReLUBlock(nn.Module):

@@ -65,7 +65,8 @@ def test_an_encoder_is_tuned_and_the_attention_projections_it_never_calls_are_le
     def fidelity(net):
         return 1 - ((run(net, call_inputs) - reference).norm() / reference.norm()).item()
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"], module_types=["Linear"]),
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"], module_types=["Linear"]),
                           tolerable_loss=0.05, max_trials=4, repeats=3, storage=storage)
     with caplog.at_level(logging.INFO, logger="autotune"):
         result = autotune(model, config, fidelity, example_inputs=call_inputs, measurer=HalfCostMeasurer(LINEARS))

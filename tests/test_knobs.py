@@ -79,7 +79,8 @@ class FoldedIsFaster(HalfCostMeasurer):
 
 def test_a_knob_measured_faster_is_kept_and_export_and_apply_rebuild_it(tmp_path):
     model = conv_bn()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
                           max_trials=4, storage=f"sqlite:///{tmp_path}/k.db", study_name="knobs")
     result = autotune(model, config, fidelity(model, X), X, measurer=FoldedIsFaster())
     assert result.knobs == ("fold_bn",) and result.speedup == pytest.approx(2.5)
@@ -244,7 +245,8 @@ def tower_inputs():
 def test_autocast_measured_faster_is_kept_the_cuda_knobs_reasons_are_kept_and_apply_rebuilds_it(tmp_path):
     model = tower()
     storage = f"sqlite:///{tmp_path}/a.db"
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
                           max_trials=3, storage=storage, study_name="amp")
     result = autotune(model, config, fidelity(model, V), V, measurer=AutocastIsFaster())
     assert result.knobs == ("autocast",) and result.speedup == pytest.approx(2.5)
@@ -276,7 +278,8 @@ class Bf16Emulated(AutocastIsFaster):
     (["int8", "fp32"], "bf16 is not among the dtypes tuned")])
 def test_autocast_is_not_tried_in_a_dtype_measured_far_slower_or_not_tuned(tmp_path, dtypes, reason):
     model = tower()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.2, max_trials=3,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.2, max_trials=3,
                           storage=f"sqlite:///{tmp_path}/s.db", knobs=["autocast"])
     result = autotune(model, config, fidelity(model, V), V, measurer=Bf16Emulated())
     assert result.study.user_attrs["autotune.knobs_not_tried"] == {"autocast": reason}
@@ -292,7 +295,8 @@ def test_a_knob_is_tried_only_in_the_engines_it_has_an_effect_in(tmp_path, monke
             return None
     monkeypatch.setitem(KNOBS, "cuda_graphs", AnywhereCudaGraphs())
     model = tower()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
                           max_trials=3, storage=f"sqlite:///{tmp_path}/g.db", knobs=["cuda_graphs", "autocast"])
     result = autotune(model, config, fidelity(model, V), V, measurer=AutocastIsFaster())
     tried = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "+" in name]

@@ -12,7 +12,8 @@ from simulator import SimWorkload  # noqa: E402
 
 
 def tune(sim, storage, objective, study_name="objectives"):
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           max_trials=16, repeats=3, objective=objective, storage=storage, study_name=study_name)
     return autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
 

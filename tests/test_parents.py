@@ -51,7 +51,8 @@ def tune(model, storage, dtypes):
     def fidelity(net):
         with torch.no_grad():
             return 1 - ((net(X) - reference).norm() / reference.norm()).item()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.05, max_trials=6,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=0.05, max_trials=6,
                           repeats=3, storage=storage)
     return autotune(model, config, fidelity, example_inputs=X, measurer=RealErrors(["wi", "wo"])), fidelity
 

@@ -64,7 +64,8 @@ def tuned_study(tmp_path: Path, settings: dict | None = None):
     """A real tuning run on a small Linear stack; `settings` is written as the study's settings attribute."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.02,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.02,
                           max_trials=14, repeats=3, storage=f"sqlite:///{tmp_path}/report.db", study_name="report")
     inputs = torch.randn(4, 8)
 

@@ -50,7 +50,8 @@ def eval_fn(net: nn.Module) -> float:
 
 
 def tune(tmp_path, weights: tuple[float, float], **more):
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                           max_trials=8, storage=f"sqlite:///{tmp_path}/shapes.db",
                           latency_inputs=[LatencyInput(batch=1, weight=weights[0]),
                                           LatencyInput(batch=64, weight=weights[1])], **more)

@@ -47,7 +47,8 @@ def test_autotune_with_the_sim_measurer_reaches_95_percent_of_the_oracle_within_
 
     budget = math.floor(2 * math.log2(50) + 8)              # 19 eval_fn calls: the baseline + 18 trials
     # The tuner may spend up to twice that: the claim is about what the first `budget` calls found.
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           max_trials=2 * budget, storage=f"sqlite:///{tmp_path}/sim.db", study_name="sim50")
     result = autotune(sim.model(), config, eval_fn, sim.example_inputs(), measurer=sim.measurer())
     oracle = sim.oracle()
@@ -69,7 +70,8 @@ def test_a_queued_plan_waits_holding_its_params_and_runs_as_exactly_that_plan(tm
     from autotune.storage.study import trial_plan
     from autotune.tuner import start_runner
     sim = SimWorkload(12, eval_cost_s=0)
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           storage=f"sqlite:///{tmp_path}/sim.db", study_name="queued")
     runner = start_runner(sim.model(), config, sim.eval_fn, sim.example_inputs(), sim.measurer())
     plan = {unit: options[index % len(options)] for index, (unit, options) in enumerate(runner.space.choices.items())}

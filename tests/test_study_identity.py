@@ -15,7 +15,8 @@ from simulator import SimWorkload  # noqa: E402
 
 
 def tune(sim, model, storage, study_name=None):
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
                           max_trials=4, repeats=3, storage=storage, study_name=study_name)
     return autotune(model, config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
 

@@ -60,7 +60,8 @@ def test_a_new_technique_is_a_dtype_configs_accept_and_the_tuner_chooses(tmp_pat
     def eval_fn(m):
         return 1 - ((m(x) - reference).norm() / reference.norm()).item()
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["rounded", "fp32"]), tolerable_loss=0.05,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["rounded", "fp32"]), tolerable_loss=0.05,
                           max_trials=6, storage=f"sqlite:///{tmp_path}/t.db", study_name="toy")
     result = autotune(model, config, eval_fn, x, measurer=HalfCostMeasurer(NAMES))
     assert result.plan == {name: "rounded" for name in NAMES}

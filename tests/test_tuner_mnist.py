@@ -13,7 +13,7 @@ MODULES = {"features.0", "features.3", "classifier.0", "classifier.2"}
 
 
 def mnist_config(storage, max_trials):
-    return TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp16", "fp32"]),
+    return TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp16", "fp32"]),
                         tolerable_loss=0.01, max_trials=max_trials, repeats=8, storage=storage, study_name="mnist")
 
 

@@ -39,7 +39,8 @@ def test_mixed_plan_passes_where_all_int8_misses(encoder_and_eval, storage):
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     all_int8_loss = 1.0 - score(apply_plan(model, {name: "int8" for name in linears}))
     assert all_int8_loss > 0
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=all_int8_loss / 2,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=all_int8_loss / 2,
                           max_trials=10, repeats=5, storage=storage, study_name="bert")
     eval_fn = RecordedEval(score, linears)
     result = autotune(model, config, eval_fn)
@@ -73,7 +74,8 @@ def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
         with torch.inference_mode():
             return torch.nn.functional.cosine_similarity(net(**batch).logits.flatten(1), reference).mean().item()
 
-    tuning = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+    tuning = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                           max_trials=4, repeats=3, storage=storage)
     result = autotune(model, tuning, fidelity, example_inputs=((), batch))
     projections = [name for name in result.plan if name.endswith(("attn.c_attn", "attn.c_proj", "mlp.c_fc"))]

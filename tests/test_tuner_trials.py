@@ -39,7 +39,8 @@ def test_a_trial_whose_eval_fn_raises_is_failed_with_its_reason_and_never_wins(s
             raise RuntimeError("kernel crashed on layer 1\nwhile running the graph:\n  %3 = quantized_linear(...)")
         return score(net)
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=8, repeats=5, storage=storage, study_name="failing")
     result = autotune(model, config, eval_fn, example_inputs=INPUTS)
 
@@ -94,7 +95,8 @@ def test_a_trial_whose_eval_fn_gives_no_number_or_runs_too_long_fails_with_the_r
     def eval_fn(net):
         return failure(net) if isinstance(net[1][0], DynamicInt8Linear) else score(net)
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=8, repeats=3, trial_timeout=1, storage=storage, study_name="bad-returns")
     SLEEPS.update(started=0, finished=0)
     result = autotune(model, config, eval_fn, example_inputs=INPUTS)
@@ -116,7 +118,8 @@ def test_the_collector_threshold_is_raised_during_tuning_and_restored_after_even
         seen.append(gc.get_threshold()[0])
         raise KeyboardInterrupt   # not an eval_fn failure: it ends the run
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=4, repeats=3, storage=storage, study_name="gc")
     with pytest.raises(KeyboardInterrupt):
         autotune(nn.Sequential(nn.Linear(8, 8)), config, eval_fn, example_inputs=torch.randn(2, 8))
@@ -145,7 +148,8 @@ def test_a_plan_that_misses_the_tolerance_is_not_timed_and_its_ratio_is_predicte
             timed_plans.extend(plan_of(m, self.names)["1.0"] for name, m in models.items() if name != "fp32")
             return super().latency(models, inputs, repeats)
 
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                           max_trials=8, storage=storage)
     result = autotune(wide_model(), config, layer1_int8_misses, INPUTS, measurer=Recording(names))
     trials = evaluated_trials(result.study)
@@ -176,7 +180,8 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
 
     runs = {}
     for timing in ("measured", "predicted"):
-        config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
+        config = TuningConfig(engines=["eager"],
+                              config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                               max_trials=8, storage=storage, study_name=timing, trial_timing=timing)
         measurer = Counting()
         runs[timing] = autotune(wide_model(), config, layer1_int8_misses, INPUTS, measurer=measurer), measurer.timed

@@ -42,7 +42,8 @@ class ScriptedMeasurer:
 def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest_re_timed(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
                           max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
     inputs = torch.randn(2, 8)
     result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=ScriptedMeasurer())
@@ -72,7 +73,8 @@ def test_the_speedup_reported_is_the_winners_timed_again_on_its_own_and_fp32_is_
         tmp_path, alone, caplog):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
+    config = TuningConfig(engines=["eager"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
                           max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
     inputs = torch.randn(2, 8)
     result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=RaceReadsHigh(alone))

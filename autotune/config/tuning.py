@@ -20,6 +20,8 @@ from autotune.errors import ConfigError
 
 DEFAULT_STUDIES_DIR = Path("studies")
 DEFAULT_STORAGE = f"sqlite:///{DEFAULT_STUDIES_DIR}/autotune.db"
+ENGINES = ("eager", "compiled", "inductor", "lowp")
+CPU_ONLY_ENGINES = {"compiled"}   # its int8 kernels are oneDNN's x86 ones (X86InductorQuantizer)
 
 
 def _as_list(value: Any) -> Any:
@@ -161,12 +163,13 @@ class TuningConfig(ConfigModel):
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
-    engines: list[Literal["eager", "compiled", "inductor", "lowp"]] = Field(
-        default_factory=lambda: ["eager"], min_length=1,
-        description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor), "
+    engines: list[Literal[ENGINES]] = Field(
+        default_factory=lambda: list(ENGINES), min_length=1,
+        description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor, CPU), "
                     "inductor (the eager plan under torch.compile, its all-fp32 plan included) and/or lowp (the "
                     "whole model in the plan's bf16 or fp16 with fp32 islands, compiled); each finalist is timed "
-                    "in each that can realise it, the fastest passing one wins")
+                    "in each that can realise it, the fastest passing one wins. Default: every engine that runs "
+                    "on the device, since which is fastest depends on the model and the machine")
     latency_inputs: list[LatencyInput] = Field(
         default_factory=list, description="the shapes latency is measured at, weighted; default: the captured batch")
     knobs: list[Literal["channels_last", "fold_bn", "autocast", "tf32", "cuda_graphs"]] = Field(
@@ -205,6 +208,13 @@ class TuningConfig(ConfigModel):
 
     _single_to_list = field_validator("config_set", "engines", "latency_inputs", "knobs", mode="before")(
         lambda value: _as_list(value))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_engines_for_the_device(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engines" not in data and not str(data.get("device", "cpu")).startswith("cpu"):
+            data = {**data, "engines": [engine for engine in ENGINES if engine not in CPU_ONLY_ENGINES]}
+        return data
 
     @field_validator("device")
     @classmethod

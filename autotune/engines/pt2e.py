@@ -97,6 +97,9 @@ class CompiledEngine:
         from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
         from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
+        where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
+        if where:
+            raise EngineUnavailable(f"the compiled engine's int8 kernels run on x86 CPUs, not on {sorted(where)[0]}")
         other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
         if other:   # no pattern the quantizer annotates (transformers' Conv1D is an addmm): they would stay fp32
             module = fp32.get_submodule(other[0])
