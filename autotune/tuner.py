@@ -22,6 +22,7 @@ from autotune.capture import example_or_batches, record_module_inputs, run_captu
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import called_candidates, module_groups, search_candidates
+from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
@@ -222,7 +223,8 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 @_fewer_collections()
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
-    winner = verified_winner(runner)
+    with library_notes_dropped():   # finalists are built, compiled and saved there
+        winner = verified_winner(runner)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]

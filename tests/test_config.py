@@ -21,6 +21,8 @@ def test_finalists_run_in_every_engine_of_the_device_unless_engines_are_given():
     assert TuningConfig.from_mapping({"device": "cuda:0"}).engines == ["eager", "inductor", "lowp"]   # x86 int8
     assert TuningConfig(device="cuda", engines="compiled").engines == ["compiled"]   # the engine then says why not
     assert TuningConfig.from_mapping({"engines": ["eager"]}).engines == ["eager"]
+    from autotune.engines import ENGINES
+    assert set(TuningConfig().engines) == set(ENGINES)      # a new engine is named in the config as well
 
 
 def test_unknown_field_is_rejected_naming_it():

@@ -618,14 +618,58 @@ def test_building_calling_and_saving_a_compiled_int8_model_leaves_no_torch_inter
     assert (tmp_path / "m.pt2").stat().st_size > 0
     for internal in ("Dim.AUTO was specified", "To copy construct from a tensor"):
         assert internal not in done.stderr, done.stderr
+    assert_no_library_notes(done.stderr)
+
+
+def assert_no_library_notes(stderr: str) -> None:
+    """No line of torch's log format (`W1125 08:10:10.267000 7502 torch/...`) and no warning or log record from a
+    file of torch or torchao."""
+    assert not re.search(r"^[WIE]\d{4} \d\d:", stderr, re.MULTILINE), stderr
+    assert not re.search(r"site-packages/torch(ao)?/", stderr), stderr
+
+
+DEFAULT_TUNING = """
+import sys, torch
+from torch import nn
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 13 * 13, 64),
+                      nn.ReLU(), nn.Linear(64, 10)).eval()
+x = torch.randn(32, 1, 28, 28)
+reference = model(x).detach()
+def eval_fn(m):
+    with torch.no_grad():
+        return -float((m(x) - reference).abs().mean())
+config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=1.0,
+                      loss_kind="absolute", max_trials=3, repeats=3, storage=f"sqlite:///{sys.argv[1]}/s.db",
+                      compile_cache=f"{sys.argv[1]}/cache")
+result = autotune(model, config, eval_fn)
+torch.save(result.model, f"{sys.argv[1]}/model.pt")
+print(result.engine, sorted(result.study.user_attrs["autotune.finalist_setup_s"]))
+"""
+
+
+def test_a_tuning_run_in_every_engine_shows_none_of_the_notes_torch_and_torchao_give_of_their_internals(tmp_path):
+    """What a user sees of a default tuning run (every engine, a conv and linears lowered to int8, saved with
+    torch.save): autotune's own lines only, not torchao's failed loads of CUDA kernels, its deprecation at import,
+    dynamo's note of quantised modules it runs outside the graph or export's of weights sharing storage."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", DEFAULT_TUNING, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    engines = {"compiled", "inductor"}
+    assert all(f"({engine})" in done.stdout for engine in engines), done.stdout   # finalists were built in them
+    assert_no_library_notes(done.stderr)
 
 
 def test_a_compiled_engine_model_saves_with_torch_save_and_runs_frozen_where_it_is_loaded(tmp_path):
     """What `autotune()` returns for the compiled engine pickles as its exported graph (the converted graph itself
-    does not), and is compiled again, frozen, where it is loaded; one never called cannot be exported yet."""
+    does not), and is compiled again, frozen, where it is loaded; one never called cannot be exported yet. First
+    called in inference mode, as the tuner does, with a module the plan keeps in fp32 (its weights require grad)."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval(), torch.randn(4, 3, 12, 12)
-    built = realise(model, {"0": "int8", "2": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    built = realise(model, {"0": "fp32", "2": "int8"}, "compiled", Calibration([((x,), {})], {}))
     runnable = CompiledEngine().runnable(built)
     with pytest.raises(TypeError, match="saved once it has been called"):
         torch.save(runnable, tmp_path / "early.pt")

@@ -20,7 +20,7 @@ from autotune.errors import ConfigError
 
 DEFAULT_STUDIES_DIR = Path("studies")
 DEFAULT_STORAGE = f"sqlite:///{DEFAULT_STUDIES_DIR}/autotune.db"
-ENGINES = ("eager", "compiled", "inductor", "lowp")
+ENGINE_NAMES = ("eager", "compiled", "inductor", "lowp")
 CPU_ONLY_ENGINES = {"compiled"}   # its int8 kernels are oneDNN's x86 ones (X86InductorQuantizer)
 
 
@@ -163,8 +163,8 @@ class TuningConfig(ConfigModel):
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
-    engines: list[Literal[ENGINES]] = Field(
-        default_factory=lambda: list(ENGINES), min_length=1,
+    engines: list[Literal[ENGINE_NAMES]] = Field(
+        default_factory=lambda: list(ENGINE_NAMES), min_length=1,
         description="how the finalists may run: eager (modules swapped), compiled (pt2e int8 + inductor, CPU), "
                     "inductor (the eager plan under torch.compile, its all-fp32 plan included) and/or lowp (the "
                     "whole model in the plan's bf16 or fp16 with fp32 islands, compiled); each finalist is timed "
@@ -213,7 +213,7 @@ class TuningConfig(ConfigModel):
     @classmethod
     def _default_engines_for_the_device(cls, data: Any) -> Any:
         if isinstance(data, dict) and "engines" not in data and not str(data.get("device", "cpu")).startswith("cpu"):
-            data = {**data, "engines": [engine for engine in ENGINES if engine not in CPU_ONLY_ENGINES]}
+            data = {**data, "engines": [engine for engine in ENGINE_NAMES if engine not in CPU_ONLY_ENGINES]}
         return data
 
     @field_validator("device")

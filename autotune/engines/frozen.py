@@ -4,21 +4,16 @@ run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 from torch import nn
 
+from autotune.engines import quiet  # noqa: F401  (its process-wide filter of inductor's int8 lowering note)
 from autotune.engines.base import compile_model
 from autotune.errors import describe
 from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger(__name__)
-
-# inductor's int8 convolution lowering copies a tensor with torch.tensor() at every frozen compile (torch 2.13): its
-# own advice to itself, not the user's concern
-warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning,
-                        module=r"torch\._inductor\.mkldnn_lowerings")
 
 
 try:   # inductor's `freezing` switch: see _call_frozen
@@ -50,8 +45,9 @@ class FrozenCompiled(nn.Module):
         self.example = None    # zeros shaped as the first call's inputs: what saving exports the graph on
 
     def forward(self, *args, **kwargs):
-        if self.example is None:
-            self.example = map_tensors((args, kwargs), torch.zeros_like)
+        if self.example is None:   # not inference tensors: export would trace them into the plan's fp32 modules
+            with torch.inference_mode(False):
+                self.example = map_tensors((args, kwargs), torch.zeros_like)
         return self._frozen_call(*args, **kwargs)
 
     def _frozen_call(self, *args, **kwargs):

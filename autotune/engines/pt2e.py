@@ -15,6 +15,7 @@ from autotune.backends.quantized import resolve_reduce_range
 from autotune.capture import call
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled
+from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.plan import Plan
 from autotune.tree import map_tensors
@@ -94,8 +95,9 @@ class CompiledEngine:
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+        with library_notes_dropped():   # torchao's import gives some
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
         where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
         if where:
@@ -112,7 +114,7 @@ class CompiledEngine:
         for name, dtype in plan.items():
             if dtype == "fp32":
                 quantizer.set_module_name_qconfig(name, None)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), library_notes_dropped():
             warnings.simplefilter("ignore")      # torchao warns of APIs it will change, on every call
             prepared = _prepared(fp32, calibration.batches[0], quantizer)
             with torch.no_grad():
@@ -150,7 +152,8 @@ class SavedAsExported(FrozenCompiled):
 
 
 def _write_exported(built: nn.Module, inputs, out) -> None:
-    torch.export.save(export(built, inputs), out)
+    with library_notes_dropped():
+        torch.export.save(export(built, inputs), out)
 
 
 def _loaded(exported: bytes, example) -> SavedAsExported:

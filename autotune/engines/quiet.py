@@ -1,0 +1,51 @@
+"""Notes torch and torchao print about their own internals while finalists are built, compiled, run and saved: a
+CUDA-only extension a CPU build cannot load, a deprecation inside torchao's import, a graph break dynamo recovers
+from, a tensor copy inside inductor's int8 lowering. They ask nothing of the user and read like failures at the end
+of a tuning run, so they are dropped by message, each at the logger or warning that gives it; every other message
+of those libraries reaches the user as ever."""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+# logger name -> what its notes say (torch 2.13, torchao 0.18)
+LOGGED_NOTES = {
+    "torchao": r"Failed to load .*torchao/_C_",                       # CUDA kernels, absent from a CPU build
+    "torchao.kernel.intmm": r"Detected no triton",
+    "torch.utils._pytree": r"is an Enum subclass and is now natively supported",   # torchao registers one
+    "torch._dynamo.utils": r"quantized nyi in meta tensors",          # quantised modules run outside the graph
+}
+WARNED_NOTES = (
+    r"No complete tensor found in the group",    # torch.export.save of weights that share storage
+)
+
+# inductor's int8 convolution lowering copies a tensor with torch.tensor() at every frozen compile, at any later call
+# of a compiled model too, so this one is dropped for the whole process (module-scoped: only that lowering's)
+warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning,
+                        module=r"torch\._inductor\.mkldnn_lowerings")
+
+
+class _DropNote(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+@contextmanager
+def library_notes_dropped() -> Iterator[None]:
+    """Within it, the notes above are not shown; warnings' filters are restored after it as they were."""
+    with ExitStack() as stack:
+        for name, pattern in LOGGED_NOTES.items():
+            logger, note = logging.getLogger(name), _DropNote(pattern)
+            logger.addFilter(note)
+            stack.callback(logger.removeFilter, note)
+        stack.enter_context(warnings.catch_warnings())
+        for pattern in WARNED_NOTES:
+            warnings.filterwarnings("ignore", message=pattern)
+        yield
