@@ -633,8 +633,8 @@ import sys, torch
 from torch import nn
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 torch.manual_seed(0)
-model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 13 * 13, 64),
-                      nn.ReLU(), nn.Linear(64, 10)).eval()
+model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 13 * 13, 512),
+                      nn.ReLU(), nn.Linear(512, 10)).eval()
 x = torch.randn(32, 1, 28, 28)
 reference = model(x).detach()
 def eval_fn(m):
