@@ -168,3 +168,16 @@ def export_then_apply(folder, study: str, storage: str, model_factory: str, inpu
                                    "--out", str(folder / "applied.pt")])
     assert applied.exit_code == 0, applied.output
     return json.loads((folder / "plan.json").read_text()), applied.output
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' GPT-style Conv1D, as transformers.pytorch_utils defines it: y = x @ W + b, W stored (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))

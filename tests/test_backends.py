@@ -3,7 +3,7 @@ import io
 
 import pytest
 import torch
-from conftest import needs_cuda
+from conftest import Conv1D, needs_cuda
 from torch import nn
 
 from autotune.backends import get_backend
@@ -121,19 +121,6 @@ def test_a_lowered_module_answers_what_parents_read_of_it(dtype):
     assert type(wrapped) is type(lowered_linear)   # copying is the wrapper's own, not its inner module's
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         assert lowered_linear.no_such_thing is None
-
-
-class Conv1D(nn.Module):
-    """transformers' GPT-style Conv1D, as transformers.pytorch_utils defines it: y = x @ W + b, W stored (in, out)."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
 
 
 @pytest.mark.parametrize("dtype,bound", [("int8", 5e-2), ("bf16", 2e-2)])

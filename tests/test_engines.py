@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import HalfCostMeasurer, is_compiled
+from conftest import Conv1D, HalfCostMeasurer, is_compiled
 from conftest import fidelity as fidelity_on
 from torch import nn
 
@@ -74,6 +74,22 @@ def test_the_compiled_engine_refuses_what_it_cannot_realise():
         realise(mlp(), dict.fromkeys(NAMES, "fp32"), "compiled", Calibration(batches(), {}))
     with pytest.raises(EngineUnavailable, match="int8 kernels run on x86 CPUs, not on meta"):
         realise(mlp().to("meta"), {"0": "int8", "2": "int8"}, "compiled", Calibration(batches(), {}))
+
+
+@pytest.mark.parametrize("plan", [{"0": "int8", "2": "fp32"}, {"0": "int8", "2": "int8"}])
+def test_the_compiled_engine_quantises_gpt_style_conv1ds_as_the_linears_they_compute(plan):
+    """GPT-2's projections are transformers' Conv1D (an addmm the quantizer has no pattern for): they are realised
+    as nn.Linear under their own names, compiled frozen, close to the fp32 model; the model given is left alone."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Conv1D(256, 128), nn.ReLU(), Conv1D(64, 256)).eval(), torch.randn(2, 5, 128)
+    reference = model(x).detach()
+    built = realise(model, plan, "compiled", Calibration([((x,), {})], {}))
+    with torch.inference_mode():
+        out = CompiledEngine().runnable(built)(x)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+    int8_weights = sum("dequantize_per_channel" in str(node.target) for node in built.graph.nodes)
+    assert int8_weights == list(plan.values()).count("int8")
+    assert type(model[0]) is Conv1D and type(model[2]) is Conv1D
 
 
 class SharedReLUBlock(nn.Module):

@@ -58,7 +58,7 @@ class Int8DynamicLinearConfig(Technique):
         return DynamicInt8Linear(module, resolve_reduce_range(self.reduce_range), self.engine)
 
 
-def _is_gpt_conv1d(module: nn.Module) -> bool:
+def is_gpt_conv1d(module: nn.Module) -> bool:
     """Whether `module` is transformers' GPT-style Conv1D (GPT-2's projections): y = x @ W + b with W stored
     (in, out). Told by its class name and fields, so transformers need not be imported."""
     weight = getattr(module, "weight", None)
@@ -71,11 +71,17 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
     """transformers' GPT-style `Conv1D` in int8, as the `nn.Linear` it computes."""
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return _is_gpt_conv1d(module) and engine_available(self.engine, device)
+        return is_gpt_conv1d(module) and engine_available(self.engine, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
-        linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)   # a view: packing copies it
-        if module.bias is not None:
-            linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-        return DynamicInt8Linear(linear, resolve_reduce_range(self.reduce_range), self.engine)
+        return DynamicInt8Linear(conv1d_as_linear(module), resolve_reduce_range(self.reduce_range), self.engine)
+
+
+def conv1d_as_linear(module: nn.Module) -> nn.Linear:
+    """The nn.Linear a GPT-style Conv1D computes, on its weight transposed into a tensor of its own: on a transposed
+    view, the compiled engine's int8 linear (inductor, frozen, torch 2.13) gave outputs 120 % off."""
+    linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
+    if module.bias is not None:
+        linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import resolve_reduce_range
 from autotune.capture import call
+from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled
 from autotune.engines.quiet import library_notes_dropped
@@ -70,6 +72,18 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
         raise first from None
 
 
+def _conv1ds_as_linears(fp32: nn.Module, plan: Plan) -> nn.Module:
+    """A copy of `fp32` whose GPT-style Conv1Ds the plan lowers to int8 (GPT-2's projections) are the nn.Linears
+    they compute, under the same names: the quantizer has no pattern for their addmm. `fp32` itself if none."""
+    names = [n for n, dtype in plan.items() if dtype == "int8" and is_gpt_conv1d(fp32.get_submodule(n))]
+    if not names:
+        return fp32
+    model = clone(fp32)
+    for name in names:
+        model.set_submodule(name, conv1d_as_linear(model.get_submodule(name)))
+    return model
+
+
 def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`converted` without the parameters and buffers its graph no longer reads: convert_pt2e keeps each quantised
     module's fp32 weight beside the int8 one it computes with, so the model would hold and save both (MNISTNet: 2.0
@@ -102,8 +116,9 @@ class CompiledEngine:
         where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
         if where:
             raise EngineUnavailable(f"the compiled engine's int8 kernels run on x86 CPUs, not on {sorted(where)[0]}")
+        fp32 = _conv1ds_as_linears(fp32, plan)
         other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
-        if other:   # no pattern the quantizer annotates (transformers' Conv1D is an addmm): they would stay fp32
+        if other:   # no pattern the quantizer annotates: they would stay fp32
             module = fp32.get_submodule(other[0])
             raise EngineUnavailable(f"the compiled engine quantises nn.Linear and nn.Conv2d only, not "
                                     f"{type(module).__name__} ({other[0]})")
