@@ -92,6 +92,18 @@ def test_the_compiled_engine_quantises_gpt_style_conv1ds_as_the_linears_they_com
     assert type(model[0]) is Conv1D and type(model[2]) is Conv1D
 
 
+def test_the_compiled_engine_quantises_a_linear_whose_weight_is_a_transposed_view_right():
+    torch.manual_seed(0)
+    model, x = mlp(), torch.randn(6, 32)
+    model[0].weight = nn.Parameter((torch.randn(32, 64) * 0.1).t())   # as a tied, transposed weight can be
+    reference = model(x).detach()
+    built = realise(model, dict.fromkeys(NAMES, "int8"), "compiled", Calibration([((x,), {})], {}))
+    with torch.inference_mode():
+        out = CompiledEngine().runnable(built)(x)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+    assert not model[0].weight.is_contiguous()    # the model given is left as it was
+
+
 class SharedReLUBlock(nn.Module):
     """A residual block calling one nn.ReLU twice, as torchvision's ResNet blocks do."""
 

@@ -78,8 +78,8 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
 
 
 def conv1d_as_linear(module: nn.Module) -> nn.Linear:
-    """The nn.Linear a GPT-style Conv1D computes, on its weight transposed into a tensor of its own: on a transposed
-    view, the compiled engine's int8 linear (inductor, frozen, torch 2.13) gave outputs 120 % off."""
+    """The nn.Linear a GPT-style Conv1D computes, on its weight transposed into a tensor of its own (see
+    autotune.engines.pt2e for why not a view)."""
     linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
     linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
     if module.bias is not None:

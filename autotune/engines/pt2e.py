@@ -72,15 +72,24 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
         raise first from None
 
 
-def _conv1ds_as_linears(fp32: nn.Module, plan: Plan) -> nn.Module:
-    """A copy of `fp32` whose GPT-style Conv1Ds the plan lowers to int8 (GPT-2's projections) are the nn.Linears
-    they compute, under the same names: the quantizer has no pattern for their addmm. `fp32` itself if none."""
-    names = [n for n, dtype in plan.items() if dtype == "int8" and is_gpt_conv1d(fp32.get_submodule(n))]
+def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
+    """`fp32`, or a copy of it where the plan's int8 modules are what the quantizer realises right: a GPT-style
+    Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name, and
+    a Linear's weight that is a strided view (a transposed tied weight) as a tensor of its own, since inductor's
+    frozen int8 linear read such a view wrongly (torch 2.13: outputs 120 % off)."""
+    def needs_change(module: nn.Module) -> bool:
+        return is_gpt_conv1d(module) or (isinstance(module, nn.Linear) and not module.weight.is_contiguous())
+
+    names = [n for n, dtype in plan.items() if dtype == "int8" and needs_change(fp32.get_submodule(n))]
     if not names:
         return fp32
     model = clone(fp32)
     for name in names:
-        model.set_submodule(name, conv1d_as_linear(model.get_submodule(name)))
+        module = model.get_submodule(name)
+        if is_gpt_conv1d(module):
+            model.set_submodule(name, conv1d_as_linear(module))
+        else:
+            module.weight = nn.Parameter(module.weight.detach().contiguous(), module.weight.requires_grad)
     return model
 
 
@@ -116,7 +125,7 @@ class CompiledEngine:
         where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
         if where:
             raise EngineUnavailable(f"the compiled engine's int8 kernels run on x86 CPUs, not on {sorted(where)[0]}")
-        fp32 = _conv1ds_as_linears(fp32, plan)
+        fp32 = _ready_to_quantise(fp32, plan)
         other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
         if other:   # no pattern the quantizer annotates: they would stay fp32
             module = fp32.get_submodule(other[0])
