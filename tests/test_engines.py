@@ -69,7 +69,7 @@ def test_the_compiled_engine_quantises_activations_to_seven_bits_where_the_cpu_l
 
 
 def test_the_compiled_engine_refuses_what_it_cannot_realise():
-    assert "int8 and fp32 only" in CompiledEngine().unsupported({"0": "bf16", "2": "int8"})
+    assert "int8 and fp32 only" in CompiledEngine().unsupported({"0": "bf16", "2": "int8"}, mlp())
     with pytest.raises(EngineUnavailable, match="keeps every module in fp32"):
         realise(mlp(), dict.fromkeys(NAMES, "fp32"), "compiled", Calibration(batches(), {}))
     with pytest.raises(EngineUnavailable, match="int8 kernels run on x86 CPUs, not on meta"):
@@ -102,6 +102,33 @@ def test_the_compiled_engine_quantises_a_linear_whose_weight_is_a_transposed_vie
         out = CompiledEngine().runnable(built)(x)
     assert ((out - reference).norm() / reference.norm()).item() < 0.05
     assert not model[0].weight.is_contiguous()    # the model given is left as it was
+
+
+class AudioFront(nn.Module):
+    """A Conv1d front (no int8 pattern in the quantizer) before a Linear head (one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(4, 8, 3), nn.Linear(8 * 14, 5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_a_plan_the_compiled_engine_cannot_quantise_is_refused_alone_and_one_it_can_is_built():
+    """Which plans of a model the engine realises is said per plan: the winner's finalists in this engine are then
+    chosen among those, where one unrealisable plan used to drop the engine for the whole model."""
+    torch.manual_seed(0)
+    model, x = AudioFront().eval(), torch.randn(2, 4, 16)
+    engine = CompiledEngine()
+    assert "not Conv1d (conv)" in engine.unsupported({"conv": "int8", "head": "int8"}, model)
+    with pytest.raises(EngineUnavailable, match="not Conv1d"):
+        realise(model, {"conv": "int8", "head": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    assert engine.unsupported({"conv": "fp32", "head": "int8"}, model) is None
+    built = realise(model, {"conv": "fp32", "head": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    with torch.inference_mode():
+        out = engine.runnable(built)(x)
+    assert ((out - model(x)).norm() / model(x).norm()).item() < 0.05
 
 
 class SharedReLUBlock(nn.Module):

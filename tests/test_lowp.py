@@ -41,7 +41,7 @@ def test_the_model_runs_in_the_low_dtype_with_fp32_islands_and_fp32_at_its_edges
     ({"0": "bf16", "3": "fp16", "4": "fp32"}, "one low dtype per model"),
 ])
 def test_what_the_engine_cannot_realise_is_said(plan, reason):
-    assert reason in LowPrecisionEngine().unsupported(plan)
+    assert reason in LowPrecisionEngine().unsupported(plan, model())
 
 
 def test_saved_and_loaded_it_runs_the_same_and_compiled_it_agrees(tmp_path):

@@ -29,7 +29,7 @@ def realise(fp32: nn.Module, plan: Plan, engine: str, calibration: Calibration) 
         KeyError: no engine has that name.
     """
     chosen = get_engine(engine)
-    reason = chosen.unsupported(plan)
+    reason = chosen.unsupported(plan, fp32)
     if reason is not None:
         raise EngineUnavailable(reason)
     return chosen.build(fp32, plan, calibration)

@@ -87,8 +87,8 @@ class Calibration:
 class Engine(Protocol):
     name: str
 
-    def unsupported(self, plan: Plan) -> str | None:
-        """Why this engine cannot realise `plan`, or None if it can."""
+    def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
+        """Why this engine cannot realise `plan` on the model `fp32`, or None if it can."""
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
         """`plan` realised on a copy of `fp32`, in reference numerics: what accuracy is measured on.

@@ -15,7 +15,7 @@ from autotune.plan import Plan, apply_plan
 class EagerEngine:
     name: str = "eager"
 
-    def unsupported(self, plan: Plan) -> str | None:
+    def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:

@@ -44,7 +44,7 @@ def _cast_at_edges(module: nn.Module, inside: torch.dtype, outside: torch.dtype)
 class LowPrecisionEngine:
     name: str = "lowp"
 
-    def unsupported(self, plan: Plan) -> str | None:
+    def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         lowered = set(plan.values()) - {"fp32"}
         if not lowered:
             return "the plan keeps every module in fp32"

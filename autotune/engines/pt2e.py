@@ -109,12 +109,17 @@ def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphMo
 class CompiledEngine:
     name: str = "compiled"
 
-    def unsupported(self, plan: Plan) -> str | None:
+    def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         other = sorted(set(plan.values()) - REALISED)
         if other:
             return f"the compiled engine realises int8 and fp32 only, not {other}"
         if "int8" not in plan.values():
             return "the plan keeps every module in fp32"
+        for name in (n for n, dtype in plan.items() if dtype == "int8"):
+            module = fp32.get_submodule(name)
+            if not isinstance(module, QUANTISED) and not is_gpt_conv1d(module):   # no pattern the quantizer has
+                return (f"the compiled engine quantises nn.Linear, nn.Conv2d and GPT-style Conv1D only, not "
+                        f"{type(module).__name__} ({name})")
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
@@ -125,12 +130,9 @@ class CompiledEngine:
         where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
         if where:
             raise EngineUnavailable(f"the compiled engine's int8 kernels run on x86 CPUs, not on {sorted(where)[0]}")
+        if reason := self.unsupported(plan, fp32):
+            raise EngineUnavailable(reason)
         fp32 = _ready_to_quantise(fp32, plan)
-        other = [n for n, dtype in plan.items() if dtype == "int8" and type(fp32.get_submodule(n)) not in QUANTISED]
-        if other:   # no pattern the quantizer annotates: they would stay fp32
-            module = fp32.get_submodule(other[0])
-            raise EngineUnavailable(f"the compiled engine quantises nn.Linear and nn.Conv2d only, not "
-                                    f"{type(module).__name__} ({other[0]})")
         quantizer = xiq.X86InductorQuantizer()
         # 7-bit activations where the CPU lacks VNNI, as torchao advises: oneDNN's int8 kernels saturate with 8 there
         quantizer.set_global(xiq.get_default_x86_inductor_quantization_config(

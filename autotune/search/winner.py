@@ -67,7 +67,7 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     model slower than all-int8) and what a compiler fuses (int8 convolutions, slower alone, fused by inductor).
     Such a plan is re-evaluated before it can win, like every finalist."""
     passing = [t for t in studies.passing_trials(runner.study)
-               if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan) is None]
+               if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan, runner.fp32) is None]
     uniform_keys = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
     best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
     plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
@@ -75,7 +75,7 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     if _builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
         known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
     for dtype, plan in uniform.items():
-        if plan_key(plan) not in known and engine.unsupported(plan) is None:
+        if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
             plans[f"uniform {dtype}"] = plan
     return plans
 
@@ -123,7 +123,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
         plans = finalist_plans(runner, engine, uniform)
-        if suffix and engine.unsupported(fp32 := _fp32_plan(runner)) is None:
+        if suffix and engine.unsupported(fp32 := _fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
             for name, plan in plans.items():
