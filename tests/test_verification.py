@@ -39,14 +39,18 @@ class ScriptedMeasurer:
                 for name, model in models.items()}
 
 
-def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest_re_timed(tmp_path):
+def tuned_eagerly(tmp_path, measurer):
+    """Three Linears, int8 or fp32 each, every plan passing, timed by `measurer`."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
-    config = TuningConfig(engines=["eager"],
-                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
-                          max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
     inputs = torch.randn(2, 8)
-    result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=ScriptedMeasurer())
+    return autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=measurer)
+
+
+def test_the_best_passing_uniform_plan_is_a_finalist_and_wins_when_it_is_fastest_re_timed(tmp_path):
+    result = tuned_eagerly(tmp_path, ScriptedMeasurer())
     trial_ratios = sorted(t.values[0] for t in result.study.trials if t.values)
     # the uniform plan is the slowest in its trial
     assert trial_ratios[:3] == pytest.approx([0.55, 0.6, 0.65]) and max(trial_ratios) == pytest.approx(0.9)
@@ -71,13 +75,7 @@ class RaceReadsHigh(ScriptedMeasurer):
 @pytest.mark.parametrize("alone", [0.8, 1.05])
 def test_the_speedup_reported_is_the_winners_timed_again_on_its_own_and_fp32_is_kept_where_it_is_no_faster(
         tmp_path, alone, caplog):
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
-    config = TuningConfig(engines=["eager"],
-                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.5,
-                          max_trials=20, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
-    inputs = torch.randn(2, 8)
-    result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=RaceReadsHigh(alone))
+    result = tuned_eagerly(tmp_path, RaceReadsHigh(alone))
     if alone < 1:
         assert result.plan == UNIFORM and result.speedup == pytest.approx(1 / alone)
         assert result.best.latency.median_ms == pytest.approx(FP32_MS * alone)
