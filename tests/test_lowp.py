@@ -35,6 +35,30 @@ def test_the_model_runs_in_the_low_dtype_with_fp32_islands_and_fp32_at_its_edges
     assert_state_equal(fp32, before)
 
 
+class TiedLM(nn.Module):
+    """A language model whose head shares the embedding's weight, as GPT-2's does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.body, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.body(self.embed(ids))))
+
+
+def test_an_fp32_island_tied_to_a_weight_in_the_low_dtype_keeps_its_own_fp32_copy():
+    fp32, ids = TiedLM().eval(), torch.randint(0, 50, (2, 7))
+    built = LowPrecisionEngine().build(fp32, {"body": "bf16", "head": "fp32"}, Calibration([], {}))
+    assert built.embed.weight.dtype == torch.bfloat16 and built.head.weight.dtype == torch.float32
+    assert torch.equal(built.head.weight, fp32.head.weight)
+    with torch.no_grad():
+        out, reference = built(ids), fp32(ids)
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
+    assert fp32.head.weight is fp32.embed.weight and fp32.embed.weight.dtype == torch.float32   # left as it was
+
+
 @pytest.mark.parametrize(("plan", "reason"), [
     ({"0": "fp32", "3": "fp32", "4": "fp32"}, "every module in fp32"),
     ({"0": "int8", "3": "fp32", "4": "bf16"}, "not ['int8']"),

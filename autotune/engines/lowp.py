@@ -60,8 +60,10 @@ class LowPrecisionEngine:
         _cast_at_edges(model, low, torch.float32)
         for name, dtype in plan.items():
             if dtype == "fp32":
-                island = model.get_submodule(name).to(torch.float32)
-                island.load_state_dict(fp32.get_submodule(name).state_dict())   # its weights never rounded
+                # A copy of the fp32 module, its weights never rounded and its own: one tied to a module in the low
+                # dtype (an LM head sharing the embedding's weight) stays fp32 here and low there.
+                island = clone(fp32.get_submodule(name))
+                model.set_submodule(name, island)
                 _cast_at_edges(island, torch.float32, low)
         return model
 
