@@ -305,6 +305,28 @@ def test_an_engine_whose_build_raises_after_the_search_is_dropped_and_the_run_st
                         "reason": "compiled: building the plan failed: IndexError: list index out of range"}
 
 
+def test_a_plan_an_engine_fails_to_build_once_another_was_built_is_left_out_alone(tmp_path, monkeypatch, caplog):
+    """The compiled engine's first finalist builds, every later one fails to: those are left out with their reason,
+    the first stays and the run returns it as a compiled winner."""
+    build, asked = CompiledEngine.build, []
+
+    def builds_once(self, fp32, plan, calibration):
+        asked.append(plan)
+        if len(asked) > 1:
+            raise IndexError("a pass of the quantizer")
+        return build(self, fp32, plan, calibration)
+    monkeypatch.setattr(CompiledEngine, "build", builds_once)
+    model = mlp()
+    result = autotune(model, config(tmp_path, max_trials=8), fidelity(model), batches(1)[0][0][0],
+                      measurer=CompiledIsFaster())
+    built = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if name.endswith("(compiled)")]
+    left_out = [r.getMessage() for r in caplog.records if "(compiled) is left out" in r.getMessage()]
+    assert len(built) == 1 and len(left_out) == len(asked) - 1 >= 1
+    assert all("IndexError: a pass of the quantizer" in message for message in left_out)
+    assert "autotune.engine_fallback" not in result.study.user_attrs
+    assert result.engine == "compiled"
+
+
 def test_batches_captured_from_an_eval_fn_in_inference_mode_go_through_the_compiled_engine(tmp_path):
     model, x = mlp(), batches(1)[0][0][0]
 

@@ -33,6 +33,8 @@ from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
 
+ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
+
 
 @dataclass
 class Finalist:
@@ -126,15 +128,38 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         if suffix and engine.unsupported(fp32 := _fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
-            for name, plan in plans.items():
-                found[name + suffix] = _ready(engine, plan, runner, calibration, cache)
-            found.update(_with_knobs(engine, knobs, plans, suffix, runner, cache, failed_knobs))
+            built = _built_in(engine, plans, suffix, runner, calibration, cache)
+            found.update(built)
+            found.update(_with_knobs(engine, knobs, {name: plans[name] for name in plans if name + suffix in built},
+                                     suffix, runner, cache, failed_knobs))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
+
+
+def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
+              cache: CompileCache) -> dict[str, Finalist]:
+    """Each of `plans` ready in `engine`, named with `suffix`. A plan that fails once another was built is left out
+    with its reason logged (a model's part the engine mishandles in that plan only); failing on the first
+    ENGINE_TRIES plans with none built, the engine cannot run this model.
+
+    Raises:
+        EngineUnavailable: the first failure's reason, when the engine is given up.
+    """
+    built: dict[str, Finalist] = {}
+    failures: list[EngineUnavailable] = []
+    for name, plan in plans.items():
+        try:
+            built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
+        except EngineUnavailable as exc:
+            failures.append(exc)
+            if not built and len(failures) == ENGINE_TRIES:
+                raise failures[0] from None
+            log.warning("%s%s is left out: %s", name, suffix, exc)
+    return built
 
 
 def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
