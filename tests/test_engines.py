@@ -289,20 +289,25 @@ def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_
     model = Branchy().eval()
     result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())
     assert result.engine == "eager" and "int8" in result.plan.values()
-    fallback = result.study.user_attrs["autotune.engine_fallback"]
-    assert fallback["engine"] == "compiled" and "torch.export failed" in fallback["reason"]
+    dropped = result.study.user_attrs["autotune.engines_dropped"]
+    assert list(dropped) == ["compiled"] and "torch.export failed" in dropped["compiled"]
 
 
-def test_an_engine_whose_build_raises_after_the_search_is_dropped_and_the_run_still_returns(tmp_path, monkeypatch):
+def test_engines_whose_build_raises_after_the_search_are_dropped_and_the_run_still_returns(tmp_path, monkeypatch):
+    from autotune.engines import LowPrecisionEngine
+
     def breaks(self, fp32, plan, calibration):
         raise IndexError("list index out of range\nin a pass of the quantizer")
     monkeypatch.setattr(CompiledEngine, "build", breaks)
+    monkeypatch.setattr(LowPrecisionEngine, "build", breaks)
     model = mlp()
-    result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())
-    assert result.engine == "eager" and "int8" in result.plan.values()
-    fallback = result.study.user_attrs["autotune.engine_fallback"]
-    assert fallback == {"engine": "compiled",
-                        "reason": "compiled: building the plan failed: IndexError: list index out of range"}
+    result = autotune(model, config(tmp_path, engines=["eager", "compiled", "lowp"],
+                                    config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"])),
+                      fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())
+    assert result.engine == "eager" and set(result.plan.values()) != {"fp32"}
+    assert result.study.user_attrs["autotune.engines_dropped"] == {
+        engine: f"{engine}: building the plan failed: IndexError: list index out of range"
+        for engine in ("compiled", "lowp")}
 
 
 def test_a_plan_an_engine_fails_to_build_once_another_was_built_is_left_out_alone(tmp_path, monkeypatch, caplog):
@@ -323,7 +328,7 @@ def test_a_plan_an_engine_fails_to_build_once_another_was_built_is_left_out_alon
     left_out = [r.getMessage() for r in caplog.records if "(compiled) is left out" in r.getMessage()]
     assert len(built) == 1 and len(left_out) == len(asked) - 1 >= 1
     assert all("IndexError: a pass of the quantizer" in message for message in left_out)
-    assert "autotune.engine_fallback" not in result.study.user_attrs
+    assert "autotune.engines_dropped" not in result.study.user_attrs
     assert result.engine == "compiled"
 
 
@@ -334,7 +339,7 @@ def test_batches_captured_from_an_eval_fn_in_inference_mode_go_through_the_compi
         with torch.inference_mode():
             return 1.0 - (net(x) - model(x)).abs().mean().item()
     result = autotune(model, config(tmp_path), eval_fn, measurer=CompiledIsFaster())
-    assert "autotune.engine_fallback" not in result.study.user_attrs
+    assert "autotune.engines_dropped" not in result.study.user_attrs
     assert result.engine == "compiled"
 
 

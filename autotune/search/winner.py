@@ -110,7 +110,7 @@ def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, floa
 def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
-    with its reason logged and kept on the study (`engine_fallback`)."""
+    with its reason logged and kept on the study (`engines_dropped`: {engine: reason})."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     compiling = any(engine != "eager" for engine in runner.config.engines)
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
@@ -121,6 +121,7 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     uniform = uniform_finalists(candidates, latency)   # once: it logs what it leaves out
     knobs = _knobs_to_try(runner, candidates, latency)
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
+    dropped: dict[str, str] = {}
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
@@ -134,7 +135,8 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
                                      suffix, runner, cache, failed_knobs))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
-            studies.set_attr(runner.study, "engine_fallback", {"engine": engine_name, "reason": str(exc)})
+            dropped[engine_name] = str(exc)
+            studies.set_attr(runner.study, "engines_dropped", dropped)
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
@@ -142,23 +144,26 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
               cache: CompileCache) -> dict[str, Finalist]:
-    """Each of `plans` ready in `engine`, named with `suffix`. A plan that fails once another was built is left out
-    with its reason logged (a model's part the engine mishandles in that plan only); failing on the first
-    ENGINE_TRIES plans with none built, the engine cannot run this model.
+    """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
+    out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
+    ENGINE_TRIES failures or all of them, the engine cannot run this model.
 
     Raises:
         EngineUnavailable: the first failure's reason, when the engine is given up.
     """
     built: dict[str, Finalist] = {}
-    failures: list[EngineUnavailable] = []
+    failures: list[tuple[str, EngineUnavailable]] = []
     for name, plan in plans.items():
+        if not built and len(failures) == ENGINE_TRIES:
+            break
         try:
             built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
         except EngineUnavailable as exc:
-            failures.append(exc)
-            if not built and len(failures) == ENGINE_TRIES:
-                raise failures[0] from None
-            log.warning("%s%s is left out: %s", name, suffix, exc)
+            failures.append((name + suffix, exc))
+    if failures and not built:
+        raise failures[0][1] from None
+    for name, exc in failures:
+        log.warning("%s is left out: %s", name, exc)
     return built
 
 
