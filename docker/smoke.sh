@@ -188,6 +188,11 @@ log "job $job $state after $((SECONDS - t)) s:"
 compose exec -T worker autotune jobs | sed 's/^/    /'
 compose logs --no-log-prefix worker | grep -E "trial|job $job" | sed 's/^/    /'
 [ "$state" = done ] || exit 1
+# The job ran with every engine (the default): each must have built its finalists in the image, which needs a C++
+# compiler there for inductor.
+if compose logs --no-log-prefix worker | grep -E "engine cannot run this model|is left out"; then
+    log "an engine could not build its finalists in the image (above)"; exit 1
+fi
 python3 - "$AUTOTUNE_DASHBOARD_PORT" << 'EOF'
 import json, sys, urllib.request
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
