@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from optuna.storages import BaseStorage
+from optuna.storages import BaseStorage, RDBStorage
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import example_or_batches, record_module_inputs, run_capturing
+from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import called_candidates, module_groups, search_candidates
 from autotune.engines.quiet import library_notes_dropped
-from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError
+from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
@@ -31,8 +31,9 @@ from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
+from autotune.search.scores import failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
-from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials, score_of
+from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials
 from autotune.search.winner import verified_winner
 from autotune.storage import study as studies
 from autotune.storage.claims import PlanClaims, lease
@@ -105,26 +106,14 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     return finish(runner, started)
 
 
-def _baseline(fp32: nn.Module, eval_fn: EvalFn, known: float | None) -> tuple[float, list[CallInputs]]:
-    """eval_fn's score of the fp32 model (unless `known`: eval_fn is then abandoned once the batches kept for
-    calibration are recorded), and the first batches it fed the model."""
-    try:
-        returned, captured = run_capturing(clone(fp32), eval_fn, stop_early=known is not None)
-        return (score_of(returned) if known is None else known), captured
-    except EvalFunctionError as exc:
-        raise EvalFunctionError(f"the fp32 baseline evaluation failed, so no trial was run: {exc}") from exc
-    except Exception as exc:
-        raise EvalFunctionError(f"the fp32 baseline evaluation failed, so no trial was run: "
-                                f"{type(exc).__name__}: {exc}") from exc
-
-
 @_fewer_collections()
 def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn, example_inputs: Any = None,
                  measurer: Measurer | None = None, callbacks: Sequence[TrialCallback] = ()) -> TrialRunner:
-    """Opens (or joins) the study and makes it ready for trials: baseline score, signals, search space.
+    """Opens (or joins) the study and makes it ready for trials: signals, search space, baseline score.
 
-    Several processes may do this on one study at once: the first evaluates the baseline and measures the
-    signals under the study's setup lease, the others reuse them. Arguments and errors as for `autotune`.
+    Several processes may do this on one study at once: the first measures the signals under the study's setup
+    lease and then evaluates the baseline; the others reuse the signals and start trials at once, judging them
+    once the baseline is stored (autotune.search.scores). Arguments and errors as for `autotune`.
     """
     config = tune_config if isinstance(tune_config, TuningConfig) else TuningConfig.from_mapping(tune_config)
     if not isinstance(model, nn.Module):
@@ -147,24 +136,27 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 
     with lease(storage, name, "setup", ttl_s=config.grace_period):
-        # The first worker evaluates the baseline and measures the signals; the others wait for it only, then
-        # set up from what it stored side by side.
-        setup = None if _measured(study) else _set_up(study, fp32, eval_fn, example_inputs, candidates, config,
-                                                      measurer)
-    setup = setup or _set_up(study, fp32, eval_fn, example_inputs, candidates, config, measurer)
+        # The first worker measures the signals; the others wait for it only, then set up from what it stored.
+        setup = None if _measured(study) else _set_up(study, storage, fp32, eval_fn, example_inputs, candidates,
+                                                      config, measurer, first=True)
+    measured_here = setup is not None
+    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, candidates, config, measurer)
     candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
-    log.info("baseline accuracy %.4f; %d tunable modules in %d units; %d combinations after pruning",
-             setup.baseline, len(candidates), len(space.choices), space.size)
+    log.info("%d tunable modules in %d units; %d combinations after pruning", len(candidates), len(space.choices),
+             space.size)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
-                         setup.baseline, config, measurer, callbacks, setup.batches, setup.shapes)
+                         config, measurer, callbacks, setup.batches, setup.shapes)
     runner.eval_calls = setup.eval_calls
+    if measured_here:
+        # Evaluated now (unless stored already), while the other workers run the first trials: they only wait
+        # for it to judge them.
+        runner.baseline  # noqa: B018
     return runner
 
 
 @dataclass
 class _Setup:
-    baseline: float
     eval_calls: int
     batches: list[CallInputs]           # the first is where calibration and signals are taken
     candidates: dict[str, list[str]]    # those the forward calls (the others have no inputs to tune them on), in
@@ -176,38 +168,30 @@ class _Setup:
 
 
 def _measured(study) -> bool:
-    """Whether the study has its baseline and signals (a worker before this one measured them)."""
-    return all(studies.get_attr(study, name) is not None
-               for name in ("baseline_accuracy", "sensitivity", "module_latency_ms"))
+    """Whether the study has its signals (a worker before this one measured them)."""
+    return all(studies.get_attr(study, name) is not None for name in ("sensitivity", "module_latency_ms"))
 
 
-def _set_up(study, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any, candidates: dict[str, list[str]],
-            config: TuningConfig, measurer: Measurer) -> _Setup:
-    """The baseline score, the inputs, and the per-module signals: measured and stored if the study lacks them."""
-    baseline = studies.get_attr(study, "baseline_accuracy")
-    eval_calls = 0
-    if baseline is None or example_inputs is None:
-        eval_calls += 1
-        baseline, batches = _baseline(fp32, eval_fn, baseline)
-        _check_relative_loss(config, baseline)
-        studies.set_attr(study, "baseline_accuracy", baseline)
-    if example_inputs is not None:
-        batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
+def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
+            candidates: dict[str, list[str]], config: TuningConfig, measurer: Measurer, first: bool = False) -> _Setup:
+    """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`)."""
+    batches, eval_calls = None, 0
+    if first and example_inputs is None:
+        # The baseline's call captures the inputs too, so it comes first here (none stored it before).
+        _, batches = study_baseline(study, storage, fp32, eval_fn, config)
+        eval_calls += batches is not None
+    if batches is None:
+        # Without example_inputs, eval_fn is started for its first batches and abandoned: one call, cut short.
+        eval_calls += example_inputs is None
+        with failing_as_the_baseline():
+            batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
     candidates = called_candidates(candidates, set(calibration))
     shapes = latency_shapes(config, batches[0], torch.device(config.device))
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()}
-    return _Setup(baseline, eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
-
-
-def _check_relative_loss(config: TuningConfig, baseline: float) -> None:
-    """A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone."""
-    if config.loss_kind == "relative" and baseline == 0:
-        raise ConfigError("loss_kind: the fp32 model scored exactly 0, so a loss relative to it is infinite for any "
-                          "drop; set loss_kind: absolute (tolerable_loss is then in eval_fn's units)",
-                          [("loss_kind", "relative to a baseline of 0")])
+    return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
 
 
 @_fewer_collections()

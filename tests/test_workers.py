@@ -62,3 +62,28 @@ def test_workers_share_one_study_without_repeating_or_losing_a_plan(tmp_path, wo
     assert len(per_pid) >= 2, "the trials were shared between processes"
     assert len(per_pid.keys() - reported.keys()) <= 1, "only the starting process calls eval_fn unreported"
     assert all(per_pid[pid] == count for pid, count in reported.items()), (per_pid, reported)
+
+
+def test_a_second_worker_runs_trials_while_the_first_evaluates_the_baseline(tmp_path):
+    log, flag = tmp_path / "evals.log", tmp_path / "lowered-started"
+    config = resume_workload.write_config(
+        tmp_path, "overlap",
+        {"eval_fn": "worker_workload:baseline_waiting_eval",
+         "kwargs": {"log_path": str(log), "flag_path": str(flag), "delay_s": 0.3, "wait_s": 30.0}},
+        max_trials=6, patience=100, repeats=3)
+    done = subprocess.run([sys.executable, "-m", "autotune", "tune", str(config), "--workers", "2"],
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # The baseline's one eval_fn call ended as soon as a lowered plan was being evaluated: the helper did not wait
+    # for it to start its first trial.
+    waits = [float(line.split()[-1]) for line in Path(f"{log}.baseline").read_text().splitlines()]
+    assert len(waits) == 1 and waits[0] < 30.0, waits
+    study = optuna.load_study(study_name="overlap", storage=f"sqlite:///{tmp_path}/s.db")
+    baseline = get_attr(study, "baseline_accuracy")
+    evaluated = evaluated_trials(study)
+    assert len(evaluated) >= 6
+    for trial in evaluated:    # every trial judged against the one stored baseline, whichever worker ran it
+        assert trial.user_attrs["accuracy_loss"] == pytest.approx(
+            (baseline - trial.user_attrs["accuracy"]) / abs(baseline), abs=1e-12)
+        assert trial.user_attrs["passed"] == (trial.user_attrs["accuracy_loss"] <= 0.01)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from pathlib import Path
 
 import optuna
@@ -91,4 +92,26 @@ def broken_eval():
     """An eval_fn whose data cannot be read: it fails at the fp32 baseline."""
     def eval_fn(model: nn.Module) -> float:
         raise RuntimeError("the dataset server is down")
+    return eval_fn
+
+
+def baseline_waiting_eval(log_path: str, flag_path: str, delay_s: float = 0.3, wait_s: float = 30.0):
+    """logged_eval whose fp32 baseline call returns only once some process has started evaluating a lowered plan
+    (it touches `flag_path`), or after `wait_s`: a run whose trials wait for the baseline shows it as a baseline
+    that waited the whole `wait_s`. Appends "baseline waited <seconds>" to `log_path` + ".baseline"."""
+    inner = logged_eval(log_path, delay_s)
+    flag = Path(flag_path)
+
+    def eval_fn(model: nn.Module) -> float:
+        if plan_seen(model) != BASELINE:
+            flag.touch()
+            return inner(model)
+        started = time.monotonic()
+        score = inner(model)     # a capture of the first batches (cut short inside it) never gets past here
+        while not flag.exists() and time.monotonic() - started < wait_s:
+            time.sleep(0.05)
+        with open(f"{log_path}.baseline", "a") as log:
+            log.write(f"baseline waited {time.monotonic() - started:.1f}\n")
+        return score
+
     return eval_fn

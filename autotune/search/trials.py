@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
-import numbers
 import os
 import socket
 import time
@@ -21,19 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
-import torch
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.config.tuning import TuningConfig
-from autotune.errors import EvalFunctionError, describe
+from autotune.errors import describe
 from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
 from autotune.search.guided import Status
+from autotune.search.scores import score_of, study_baseline
 from autotune.search.space import SearchSpace
 from autotune.storage import study as studies
 from autotune.storage.claims import PlanClaims, lease
@@ -45,17 +43,6 @@ EvalFn = Callable[[nn.Module], Any]
 TrialCallback = Callable[[optuna.Study, FrozenTrial], None]
 CLAIM_POLL_S = 0.5
 TURN_POLL_S = 0.05    # a turn is held for one read of the study and one write
-
-
-def score_of(value: Any) -> float:
-    """eval_fn's return as a finite float, or EvalFunctionError saying what came back instead."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise EvalFunctionError(f"eval_fn must return a number; it returned {type(value).__name__} {value!r:.80}")
-    if not math.isfinite(value):
-        raise EvalFunctionError(f"eval_fn returned {value}, not a finite number")
-    return float(value)
 
 
 class TrialFailed(Exception):
@@ -115,11 +102,12 @@ class TrialRunner:
     """Runs plans of one study as trials in this process, and knows every plan's outcome in the study."""
 
     def __init__(self, study: optuna.Study, claims: PlanClaims, space: SearchSpace, fp32: nn.Module,
-                 eval_fn: EvalFn, inputs: CallInputs, calibration: dict[str, CallInputs], baseline_accuracy: float,
-                 config: TuningConfig, measurer: Measurer, callbacks: Sequence[TrialCallback] = (),
+                 eval_fn: EvalFn, inputs: CallInputs, calibration: dict[str, CallInputs], config: TuningConfig,
+                 measurer: Measurer, callbacks: Sequence[TrialCallback] = (),
                  batches: list[CallInputs] | None = None, shapes: list[Shape] | None = None):
         self.study, self.claims, self.space, self.fp32, self.eval_fn = study, claims, space, fp32, eval_fn
-        self.inputs, self.calibration, self.baseline, self.config = inputs, calibration, baseline_accuracy, config
+        self.inputs, self.calibration, self.config = inputs, calibration, config
+        self._baseline: float | None = None    # the study's, read (or evaluated) when first needed
         self.measurer = measurer
         self.shapes = shapes or [Shape("example", inputs, 1.0)]   # where latency is measured, weighted
         self.batches = batches or [inputs]     # whole-model batches for static ranges (the compiled engine)
@@ -132,6 +120,15 @@ class TrialRunner:
         self.eval_calls = 0
         self._last: FrozenTrial | None = None
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    @property
+    def baseline(self) -> float:
+        """The fp32 model's score, read from the study (or evaluated here, if no worker has) on first use."""
+        if self._baseline is None:
+            self._baseline, evaluated_here = study_baseline(self.study, self.claims.storage, self.fp32,
+                                                            self.eval_fn, self.config)
+            self.eval_calls += evaluated_here is not None
+        return self._baseline
 
     def _keep_last(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._last = trial

@@ -27,7 +27,8 @@ from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
-from autotune.search.trials import TrialRunner, score_of
+from autotune.search.scores import score_of
+from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 from autotune.timeout import call_with_timeout
 

@@ -1,0 +1,88 @@
+"""eval_fn's scores: its return value read as a number, and the fp32 baseline score every trial is judged against.
+
+The baseline is evaluated once per study, by whichever worker asks first under the study's "baseline" lease, and
+stored on the study. The worker that measures the signals asks for it: first where its call also captures the
+inputs the signals need (no example_inputs), else right after them, while the other workers start their first
+trials and ask only when a trial needs judging; the baseline's eval_fn call then runs beside the first round of
+trials instead of before it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import optuna
+import torch
+from optuna.storages import RDBStorage
+from torch import nn
+
+from autotune.backends.base import CallInputs
+from autotune.capture import run_capturing
+from autotune.clone import clone
+from autotune.config.tuning import TuningConfig
+from autotune.errors import ConfigError, EvalFunctionError
+from autotune.storage import study as studies
+from autotune.storage.claims import lease
+
+log = logging.getLogger("autotune")
+BASELINE_ATTR = "baseline_accuracy"
+
+
+def score_of(value: Any) -> float:
+    """eval_fn's return as a finite float, or EvalFunctionError saying what came back instead."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EvalFunctionError(f"eval_fn must return a number; it returned {type(value).__name__} {value!r:.80}")
+    if not math.isfinite(value):
+        raise EvalFunctionError(f"eval_fn returned {value}, not a finite number")
+    return float(value)
+
+
+@contextmanager
+def failing_as_the_baseline() -> Iterator[None]:
+    """Reports any failure of eval_fn on the fp32 model (its inputs' capture included) as the baseline's."""
+    try:
+        yield
+    except EvalFunctionError as exc:
+        raise EvalFunctionError(f"the fp32 baseline evaluation failed, so no trial was run: {exc}") from exc
+    except Exception as exc:  # the user's code: any failure
+        raise EvalFunctionError(f"the fp32 baseline evaluation failed, so no trial was run: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+
+def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
+                      config: TuningConfig) -> tuple[float, list[CallInputs]]:
+    """eval_fn's score of a copy of the fp32 model, checked usable as the base of the configured loss, and the
+    first batches eval_fn fed it."""
+    with failing_as_the_baseline():
+        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False)
+        baseline = score_of(returned)
+    if config.loss_kind == "relative" and baseline == 0:
+        # A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone.
+        raise ConfigError("loss_kind: the fp32 model scored exactly 0, so a loss relative to it is infinite for any "
+                          "drop; set loss_kind: absolute (tolerable_loss is then in eval_fn's units)",
+                          [("loss_kind", "relative to a baseline of 0")])
+    return baseline, batches
+
+
+def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
+                   config: TuningConfig) -> tuple[float, list[CallInputs] | None]:
+    """The study's baseline score, and where this worker evaluated it (one eval_fn call), the first batches that
+    call fed the model; None where it was stored. Waits while another worker evaluates it. A failure is not
+    stored: the next worker to ask tries again."""
+    stored = studies.get_attr(study, BASELINE_ATTR)
+    if stored is not None:
+        return stored, None
+    with lease(storage, study.study_name, "baseline", ttl_s=config.grace_period):
+        stored = studies.get_attr(study, BASELINE_ATTR)
+        if stored is not None:
+            return stored, None
+        baseline, batches = evaluate_baseline(fp32, eval_fn, config)
+        studies.set_attr(study, BASELINE_ATTR, baseline)
+    log.info("baseline accuracy %.4f", baseline)
+    return baseline, batches
