@@ -53,7 +53,8 @@ SIM_EVAL_S = 4.0
 def _config(name: str, folder: str, dtypes: list[str], max_trials: int):
     from autotune import MixedPrecisionConfig, TuningConfig
     return TuningConfig(config_set=MixedPrecisionConfig(dtype=dtypes), tolerable_loss=TOLERANCE,
-                        max_trials=max_trials, storage=f"sqlite:///{folder}/bench.db", study_name=f"bench-{name}")
+                        max_trials=max_trials, engines=["eager"],   # strategies compared on equal terms
+                        storage=f"sqlite:///{folder}/bench.db", study_name=f"bench-{name}")
 
 
 def _row(workload: str, found, speedup: float, accuracy: float, baseline: float, n_modules: int, **more) -> dict:

@@ -23,7 +23,7 @@ def probe(n: int, max_trials: int) -> dict:
     sim = SimWorkload(n, eval_cost_s=0.0)
     with tempfile.TemporaryDirectory() as folder:
         config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
-                              tolerable_loss=0.01, max_trials=max_trials,
+                              tolerable_loss=0.01, max_trials=max_trials, engines=["eager"],   # simulated timing
                               storage=f"sqlite:///{folder}/probe.db", study_name=f"probe-{n}")
         started = time.perf_counter()
         found, _, _ = run_autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), sim.measurer())
