@@ -763,3 +763,36 @@ def test_a_compiled_engine_model_saves_with_torch_save_and_runs_frozen_where_it_
         assert torch.allclose(loaded(x), expected, atol=1e-4)
         assert loaded(x[:1]).shape == (1, 8, 8, 8)
     assert is_compiled(loaded.frozen) and loaded.frozen_shapes
+
+
+LOAD_ELSEWHERE = """
+import sys, torch
+import autotune
+from autotune.engines import CompiledEngine
+folder = sys.argv[1]
+x, expected = torch.load(f"{folder}/io.pt")
+with torch.inference_mode():
+    for model in (torch.load(f"{folder}/model.pt", weights_only=False),    # result.model, torch.save-d
+                  CompiledEngine().load(f"{folder}/built.pt2")):           # a cached or exported finalist
+        assert torch.allclose(model(x), expected, atol=1e-4), (model(x) - expected).abs().max()
+print("loaded both")
+"""
+
+
+def test_a_compiled_engine_model_loads_in_a_process_that_never_quantised(tmp_path):
+    """The int8 graph calls ops that torchao's pt2e registers at import: a fresh process (a user loading the
+    tuned model, a resumed run reading its compile cache) has not imported it, and must still load the graph."""
+    import subprocess
+    import sys
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval(), torch.randn(4, 3, 12, 12)
+    built = realise(model, {"0": "int8", "2": "int8"}, "compiled", Calibration([((x,), {})], {}))
+    runnable = CompiledEngine().runnable(built)
+    with torch.inference_mode():
+        expected = runnable(x)
+    torch.save(runnable, tmp_path / "model.pt")
+    CompiledEngine().save(built, ((x,), {}), str(tmp_path / "built.pt2"))
+    torch.save((x, expected), tmp_path / "io.pt")
+    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "loaded both" in done.stdout, done.stderr[-3000:]

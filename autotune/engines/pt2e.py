@@ -155,10 +155,12 @@ class CompiledEngine:
     def save(self, built: nn.Module, inputs, path: str) -> str:
         with open(path, "wb") as out:
             _write_exported(built, inputs, out)
-        return ("torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
+        return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
+                "torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
                 "(inductor then runs int8 kernels)")
 
     def load(self, path: str) -> nn.Module:
+        quantised_ops_registered()
         with open(path, "rb") as saved:
             return torch.export.load(saved).module()
 
@@ -182,7 +184,15 @@ def _write_exported(built: nn.Module, inputs, out) -> None:
         torch.export.save(export(built, inputs), out)
 
 
+def quantised_ops_registered() -> None:
+    """Registers the quantise / dequantise ops an exported int8 graph calls (torch.ops.quantized_decomposed), as
+    importing torchao's pt2e does: a process that did not quantise cannot load such a graph before."""
+    with library_notes_dropped():   # torchao's import gives some
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+
+
 def _loaded(exported: bytes, example) -> SavedAsExported:
+    quantised_ops_registered()
     runnable = SavedAsExported(torch.export.load(io.BytesIO(exported)).module())
     runnable.example = example
     return runnable
