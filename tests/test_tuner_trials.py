@@ -1,4 +1,5 @@
 """Trial-level behaviour on a model whose int8 layers are measurably faster than fp32."""
+import logging
 import time
 
 import pytest
@@ -201,3 +202,23 @@ def test_with_predicted_trial_timing_only_the_finalists_are_timed_and_the_same_p
 def test_trial_timing_takes_measured_or_predicted_only():
     with pytest.raises(ValueError, match="trial_timing"):
         TuningConfig(trial_timing="sometimes")
+
+
+def test_a_run_started_again_after_its_search_stopped_on_patience_spends_no_more_trials(storage, caplog):
+    """Patience counts the study's trials, not one run's: a run killed while verifying its winner, started again,
+    goes back to the verification instead of searching `patience` more plans."""
+    caplog.set_level(logging.INFO, logger="autotune")
+    model = wide_model()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=20, patience=1, repeats=3, storage=storage,
+                          study_name="patient")
+    first = autotune(model, config, fidelity_eval(model), example_inputs=INPUTS)
+    evaluated = [t.number for t in first.study.trials if t.user_attrs.get("evaluated")]
+    assert len(evaluated) < 2 ** 3 - 1, "the search should stop on patience, with plans of the space left"
+    assert any("search stopped: patience" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+
+    again = autotune(model, config, fidelity_eval(model), example_inputs=INPUTS)
+    assert [t.number for t in again.study.trials if t.user_attrs.get("evaluated")] == evaluated
+    assert any("search stopped: patience" in r.getMessage() for r in caplog.records)
+    assert again.eval_calls <= 1      # the winner's re-evaluation: the baseline is the study's

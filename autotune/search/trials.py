@@ -115,7 +115,6 @@ class TrialRunner:
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}
         self.failed: set[str] = set()
-        self.started = datetime.datetime.now()   # patience counts the study's trials from here on
         self.refresh()
         self.eval_calls = 0
         self._last: FrozenTrial | None = None
@@ -313,7 +312,7 @@ class TrialRunner:
     def refresh(self) -> studies.TrialsView:
         """Adds plans finished elsewhere (another worker or an earlier run) to what this runner knows; returns
         the study's trials as read (`evaluated` counts all processes' evaluations: the shared budget)."""
-        view = studies.view_trials(self.study, self.started)
+        view = studies.view_trials(self.study)
         for key, trial in view.finished.items():
             if key not in self.outcomes:
                 self.outcomes[key] = Outcome(trial.values[0], trial.user_attrs["accuracy_loss"],

@@ -6,7 +6,6 @@ are trial user attributes, so `optuna.load_study` reads them as is.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import itertools
 import json
@@ -186,7 +185,7 @@ class TrialsView:
     running: int = 0                  # trials some process is running now (or was, until its heartbeat is checked)
 
 
-def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> TrialsView:
+def view_trials(study: optuna.Study) -> TrialsView:
     finished: dict[str, FrozenTrial] = {}
     failed: set[str] = set()
     done: list[FrozenTrial] = []
@@ -204,19 +203,20 @@ def view_trials(study: optuna.Study, since: datetime.datetime | None = None) -> 
                 finished.setdefault(trial_plan_key(trial), trial)
             else:
                 failed.add(trial_plan_key(trial))
-    return TrialsView(finished, failed, waiting, len(done), stale_trials(done, since), frozenset(taken - {None}),
+    return TrialsView(finished, failed, waiting, len(done), stale_trials(done), frozenset(taken - {None}),
                       unguided_in_flight, running)
 
 
-def stale_trials(evaluated: list[FrozenTrial], since: datetime.datetime | None) -> int:
-    """Evaluated trials outside the guided phase, ended after `since` by any process, since the study's fastest
-    passing plan last got faster: the patience every worker of a study shares."""
+def stale_trials(evaluated: list[FrozenTrial]) -> int:
+    """Evaluated trials outside the guided phase, by any process and any run, since the study's fastest passing
+    plan last got faster: the patience every worker of a study shares, and a run resumed after a kill goes on
+    counting (one killed while verifying the winner goes straight back to it)."""
     best, stale = math.inf, 0
     for trial in sorted(evaluated, key=lambda t: t.datetime_complete):
         ratio = trial.values[0] if trial.state == TrialState.COMPLETE and trial.user_attrs.get("passed") else math.inf
         if ratio < best:
             best, stale = ratio, 0
-        elif trial.user_attrs.get("source") != "guided" and (since is None or trial.datetime_complete >= since):
+        elif trial.user_attrs.get("source") != "guided":
             stale += 1
     return stale
 
