@@ -95,6 +95,38 @@ def test_resize_batch_cuts_or_repeats_rows_of_batched_tensors_only():
     assert large[1]["scale"] is scale and large[1]["table"].shape == (7, 2)   # not batched: left alone
 
 
+class Bags(nn.Module):
+    """An nn.EmbeddingBag's inputs: flat indices with one offset per row, beside a batch of dense features."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.dense = nn.EmbeddingBag(50, 4, mode="sum"), nn.Linear(3, 4)
+
+    def forward(self, indices, offsets, dense):
+        return self.bag(indices, offsets) + self.dense(dense)
+
+
+def bag_inputs(rows: int = 8, per_row: int = 5):
+    return ((torch.randint(0, 50, (rows * per_row,)), torch.arange(rows) * per_row, torch.randn(rows, 3)), {})
+
+
+def test_the_batch_is_the_first_dimension_most_inputs_share_so_an_embedding_bag_resizes():
+    captured = bag_inputs()
+    shapes = latency_shapes(TuningConfig(latency_inputs=[{"batch": 1}]), captured, torch.device("cpu"), Bags())
+    assert shapes[0].name == "batch 1"
+    assert [t.shape[0] for t in shapes[0].inputs[0]] == [40, 1, 1]   # offsets and dense rows cut, indices kept
+    assert latency_shapes(TuningConfig(), captured, torch.device("cpu"))[0].name == "batch 8"
+
+
+def test_a_shape_the_model_cannot_run_is_a_config_error_naming_it():
+    """Repeated offsets go back to the start of the indices, which nn.EmbeddingBag refuses: the error says how
+    batches are resized and what to give instead."""
+    config = TuningConfig(latency_inputs=[{"batch": 1}, {"batch": 32}])
+    with pytest.raises(ConfigError, match=r"latency_inputs.1: the fp32 model fails on the inputs of shape "
+                                          r"'batch 32': RuntimeError: .*give a factory for this shape"):
+        latency_shapes(config, bag_inputs(), torch.device("cpu"), Bags())
+
+
 def batch_of_ones(rows: int = 2):
     return torch.ones(rows, WIDTH)
 

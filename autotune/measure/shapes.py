@@ -10,9 +10,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import as_call_inputs, to_device
+from autotune.capture import as_call_inputs, failure_of, to_device
 from autotune.config.file import call_factory
 from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.errors import ConfigError
@@ -29,10 +30,11 @@ class Shape:
 
 
 def batch_size(inputs: CallInputs) -> int | None:
-    """The first dimension of the first tensor with one, taken as the batch."""
+    """The first dimension most tensors share (the earliest on a tie), taken as the batch: an nn.EmbeddingBag's
+    flat indices, first of (indices, offsets, dense features), have another."""
     sizes: list[int] = []
     map_tensors(inputs, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
-    return sizes[0] if sizes else None
+    return max(sizes, key=lambda size: (sizes.count(size), -sizes.index(size))) if sizes else None
 
 
 def resize_batch(inputs: CallInputs, batch: int) -> CallInputs:
@@ -60,11 +62,14 @@ def _shape(entry: LatencyInput, index: int, captured: CallInputs, device: torch.
     return Shape(entry.name or (f"batch {size}" if size is not None else "example"), inputs, entry.weight)
 
 
-def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.device) -> list[Shape]:
+def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.device,
+                   fp32: nn.Module | None = None) -> list[Shape]:
     """The configured shapes, built from the captured batch or the factories; [the captured batch] by default.
+    Each configured one is run on `fp32` once, where given.
 
     Raises:
-        ConfigError: a factory failed, a batch cannot be resized, or two shapes share a name.
+        ConfigError: a factory failed, a batch cannot be resized, two shapes share a name, or the model fails on
+            a shape's inputs.
     """
     entries = config.latency_inputs or [LatencyInput()]
     shapes = [_shape(entry, index, captured, device) for index, entry in enumerate(entries)]
@@ -72,6 +77,14 @@ def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.dev
     if len(set(names)) != len(names):
         raise ConfigError(f"latency_inputs: two shapes are named alike ({names}); give each a name",
                           [("latency_inputs", "duplicate names")])
+    for index, shape in enumerate(shapes if config.latency_inputs and fp32 is not None else []):
+        if reason := failure_of(fp32, shape.inputs):
+            resized = entries[index].factory is None and entries[index].batch is not None
+            raise ConfigError(
+                f"latency_inputs.{index}: the fp32 model fails on the inputs of shape {shape.name!r}: {reason}"
+                + ("; a batch is resized by cutting or repeating every input tensor whose first dimension is the "
+                   f"captured batch ({batch_size(captured)}), so give a factory for this shape" if resized else ""),
+                [(f"latency_inputs.{index}", "the model fails on these inputs")])
     return shapes
 
 
