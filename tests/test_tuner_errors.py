@@ -3,9 +3,12 @@ import math
 import optuna
 import pytest
 import torch
+from test_tuner_trials import INPUTS as WIDE_INPUTS
+from test_tuner_trials import wide_model
 from torch import nn
 
 from autotune import ConfigError, EvalFunctionError, MixedPrecisionConfig, NoTunableModulesError, TuningConfig, autotune
+from autotune.backends.int8_linear import DynamicInt8Linear
 
 INPUTS = torch.randn(16, 32)
 
@@ -43,6 +46,26 @@ def test_eval_fn_raising_on_the_baseline_says_so(storage):
         raise RuntimeError("dataset missing")
     with pytest.raises(EvalFunctionError, match="fp32 baseline evaluation failed.*RuntimeError: dataset missing"):
         autotune(small_model(), config(storage), eval_fn)
+
+
+def test_a_worker_joining_a_study_whose_baseline_failed_stops_at_its_first_trial(storage):
+    """A worker that finds the signals stored runs trials before the baseline is known (another worker's, coming):
+    where eval_fn fails on every model, its first failed trial asks for the baseline, which fails too, and the
+    run ends there instead of spending its budget on failing trials."""
+    calls = []
+
+    def eval_fn(model):
+        calls.append(model)
+        raise RuntimeError("dataset missing")
+    tuning = config(storage, engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"])
+                    ).model_copy(update={"max_trials": 20})
+    with pytest.raises(EvalFunctionError, match="fp32 baseline evaluation failed"):
+        autotune(wide_model(), tuning, eval_fn, example_inputs=WIDE_INPUTS)   # the signals are stored first
+    calls.clear()
+    with pytest.raises(EvalFunctionError, match="fp32 baseline evaluation failed.*RuntimeError: dataset missing"):
+        autotune(wide_model(), tuning, eval_fn, example_inputs=WIDE_INPUTS)
+    # one trial (its plan lowered), then the baseline (fp32)
+    assert [any(isinstance(m, DynamicInt8Linear) for m in model.modules()) for model in calls] == [True, False]
 
 
 def test_eval_fn_that_never_calls_the_model_without_example_inputs(storage):

@@ -184,6 +184,9 @@ class TrialRunner:
             self.failed.add(key)
             trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
             log.warning("trial %d failed: %s", trial.number, describe(exc))
+            # Where the baseline is not known yet (another worker's, still to come), an eval_fn failing on the
+            # fp32 model too is found now and ends the run, as a failing baseline does before any trial.
+            self.baseline  # noqa: B018
             raise TrialFailed(str(exc)) from exc
         loss = self.config.accuracy_loss(self.baseline, accuracy)
         # A failing plan cannot be chosen: its latency is predicted (with the latency objective, the sampler
