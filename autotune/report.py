@@ -454,7 +454,7 @@ def _history_section(rows: list[Row], chosen: Chosen | None) -> str:
 def html_report(study: optuna.Study) -> str:
     """The report of `study` as one self-contained HTML page (ASCII, non-ASCII as character references)."""
     rows, chosen = trial_rows(study)
-    baseline = studies.get_attr(study, "baseline_accuracy")
+    baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
     parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline),

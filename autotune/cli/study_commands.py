@@ -152,7 +152,7 @@ def show(study_name: str, storage: str) -> None:
                      _fmt(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
-    click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, 'baseline_accuracy'))}")
+    click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, studies.BASELINE_ATTR))}")
     best = studies.get_attr(study, "best")
     if best is None:
         click.echo("no best plan recorded yet (tuning has not finished)")
@@ -193,7 +193,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     best = studies.get_attr(study, "best")
     if best is None:
         raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet (tuning has not finished)")
-    data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, "baseline_accuracy"),
+    data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
@@ -285,7 +285,7 @@ def list_command(storage: str) -> None:
     for summary in summaries:
         best = summary.user_attrs.get(studies.ATTR_PREFIX + "best") or {}
         rows.append([summary.study_name, str(summary.n_trials),
-                     _fmt(summary.user_attrs.get(studies.ATTR_PREFIX + "baseline_accuracy")),
+                     _fmt(summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)),
                      _fmt(best.get("accuracy")), _fmt(best.get("speedup"), "{:.2f}x")])
     click.echo(table(rows))
 

@@ -7,6 +7,7 @@ their weighted mean, and every per-shape ratio is kept on the trial.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ def batch_size(inputs: CallInputs) -> int | None:
     flat indices, first of (indices, offsets, dense features), have another."""
     sizes: list[int] = []
     map_tensors(inputs, lambda t: sizes.append(t.shape[0]) if t.dim() else None)
-    return max(sizes, key=lambda size: (sizes.count(size), -sizes.index(size))) if sizes else None
+    return Counter(sizes).most_common(1)[0][0] if sizes else None   # ties: the earliest counted
 
 
 def resize_batch(inputs: CallInputs, batch: int) -> CallInputs:

@@ -29,7 +29,6 @@ from autotune.storage import study as studies
 from autotune.storage.claims import lease
 
 log = logging.getLogger("autotune")
-BASELINE_ATTR = "baseline_accuracy"
 
 
 def score_of(value: Any) -> float:
@@ -75,14 +74,14 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
     """The study's baseline score, and where this worker evaluated it (one eval_fn call), the first batches that
     call fed the model; None where it was stored. Waits while another worker evaluates it. A failure is not
     stored: the next worker to ask tries again."""
-    stored = studies.get_attr(study, BASELINE_ATTR)
+    stored = studies.get_attr(study, studies.BASELINE_ATTR)
     if stored is not None:
         return stored, None
     with lease(storage, study.study_name, "baseline", ttl_s=config.grace_period):
-        stored = studies.get_attr(study, BASELINE_ATTR)
+        stored = studies.get_attr(study, studies.BASELINE_ATTR)
         if stored is not None:
             return stored, None
         baseline, batches = evaluate_baseline(fp32, eval_fn, config)
-        studies.set_attr(study, BASELINE_ATTR, baseline)
+        studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline accuracy %.4f", baseline)
     return baseline, batches

@@ -28,6 +28,7 @@ from autotune.storage.rdb import shown
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
+BASELINE_ATTR = "baseline_accuracy"    # the fp32 model's eval_fn score (autotune.search.scores)
 log = logging.getLogger("autotune")
 
 
