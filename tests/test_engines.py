@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import types
 
@@ -548,8 +549,16 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
     cache, model, plan = CompileCache(tmp_path), mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
     kept = tmp_path / f"compiled-{plan_id(plan)}.built"
     kept.write_bytes(b"cut short")
-    built = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
+    torch_export_said = []     # what torch.export logs (torch's loggers do not propagate to caplog's)
+    handler = logging.Handler()
+    handler.emit = torch_export_said.append
+    logging.getLogger("torch.export").addHandler(handler)
+    try:
+        built = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
+    finally:
+        logging.getLogger("torch.export").removeHandler(handler)
     assert "cannot read" in caplog.text and weight_of_each_linear(built) == plan
+    assert torch_export_said == []    # said in that one line, not after torch.export's traceback
     reread = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
     x = batches(1)[0][0][0]
     with torch.no_grad():

@@ -14,6 +14,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.engines.base import Calibration, Engine
 from autotune.engines.knobs import with_knobs
+from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.plan import Plan, plan_id
 
@@ -39,7 +40,8 @@ class CompileCache:
         path = self.folder / ("-".join([engine.name, plan_id(plan), *knobs]) + ".built")
         if path.is_file():
             try:
-                return engine.load(str(path))
+                with library_notes_dropped():   # the line below says why it cannot be read
+                    return engine.load(str(path))
             except Exception as exc:  # a file of another torch version, or cut short: build it again
                 log.warning("compile cache: cannot read %s (%s); building again", path, describe(exc))
         built = engine.build(with_knobs(fp32, knobs), plan, calibration)
