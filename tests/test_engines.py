@@ -204,7 +204,7 @@ def test_a_shape_that_cannot_be_frozen_at_all_runs_unfrozen(monkeypatch):
     from autotune.engines import frozen
     made = []
 
-    def compile_model(calls, dynamic=None):
+    def compile_model(calls, dynamic=None, options=None):
         kind = {0: "dynamic", 1: "per shape", 2: "unfrozen"}[len(made)]
         seen: set[int] = set()
         made.append(dynamic)
@@ -540,6 +540,25 @@ def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, mon
     assert again.engine == "compiled" and again.plan == first.plan
     with torch.no_grad():
         assert torch.allclose(again.model(x), first.model(x))
+
+
+def test_only_the_compiled_engines_graphs_get_torchaos_pre_grad_pass(tmp_path):
+    """Importing torchao's quantizer sets inductor's pre-grad pass for the whole process, and a compiled model keeps
+    a copy of the config it was compiled under: an inductor model saved after a compiled-engine build named
+    torchao's pass, and loading it imported torchao. The compiled engine's graphs get the pass as their option."""
+    from torch._inductor import config as inductor_config
+
+    model, x = mlp(), batches(1)[0][0][0]
+    int8 = CompiledEngine().runnable(realise(model, {"0": "int8", "2": "fp32", "4": "int8"}, "compiled",
+                                             Calibration(batches(), {})))
+    assert type(int8.frozen.get_compiler_config()["pre_grad_custom_pass"]).__module__.startswith("torchao.")
+    assert inductor_config.pre_grad_custom_pass is None
+    compiled = get_engine("inductor").runnable(realise(model, {"0": "fp32", "2": "fp32", "4": "fp32"}, "inductor",
+                                                       Calibration(batches(), {})))
+    with torch.no_grad():
+        compiled(x)
+    torch.save(compiled, tmp_path / "inductor.pt")
+    assert b"torchao" not in (tmp_path / "inductor.pt").read_bytes()
 
 
 def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tmp_path, caplog):

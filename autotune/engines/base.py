@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import types
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,14 +32,15 @@ _OPTIONS = set(inspect.signature(torch.compile).parameters)
 
 
 def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False,
-                  dynamic: bool | None = None) -> nn.Module:
-    """torch.compile(model, mode=mode, dynamic=dynamic) on a forward of the model's own, with room for every
-    finalist's compiled code beside this one's. `alone`: every frame's entries apart from other models' as well, as
-    in a process of its own (a peer timed beside the finalists)."""
+                  dynamic: bool | None = None, options: dict[str, Any] | None = None) -> nn.Module:
+    """torch.compile(model, mode=mode, dynamic=dynamic, options=options) on a forward of the model's own, with room
+    for every finalist's compiled code beside this one's. `alone`: every frame's entries apart from other models' as
+    well, as in a process of its own (a peer timed beside the finalists). `options`: inductor's, for this model's
+    compiles only (torch.compile takes them or a mode, not both)."""
     _give_own_forward(model)
-    options = {"isolate_recompiles": True} if alone else {"recompile_limit": RECOMPILE_LIMIT}
-    return torch.compile(model, mode=mode, dynamic=dynamic,
-                         **{key: value for key, value in options.items() if key in _OPTIONS})
+    limits = {"isolate_recompiles": True} if alone else {"recompile_limit": RECOMPILE_LIMIT}
+    return torch.compile(model, mode=mode, dynamic=dynamic, options=options,
+                         **{key: value for key, value in limits.items() if key in _OPTIONS})
 
 
 def _give_own_forward(model: nn.Module) -> None:

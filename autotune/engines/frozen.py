@@ -4,6 +4,7 @@ run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,10 +35,11 @@ class FrozenCompiled(nn.Module):
     module's cache). From the first failure on, a fresh module is compiled frozen for each shape on its own, up to
     STATIC_SHAPES of them; other shapes run compiled without freezing."""
 
-    def __init__(self, built: nn.Module):
+    def __init__(self, built: nn.Module, options: dict[str, Any] | None = None):
         super().__init__()
         self.built = (built,)      # a reference, not a second registration of its parameters
-        self.frozen = compile_model(_Calls(built))
+        self.options = options     # inductor's, for every compile of this model
+        self.frozen = compile_model(_Calls(built), options=options)
         self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
         self.frozen_shapes: set[tuple] = set()     # run frozen in `frozen`
         self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
@@ -97,8 +99,8 @@ class FrozenCompiled(nn.Module):
                 STATIC_SHAPES)
         _said_unfrozen = True
         self.kept, self.frozen_shapes = self.frozen_shapes, set()
-        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False)
-        self.unfrozen = compile_model(_Calls(self.built[0]))
+        self.frozen = compile_model(_Calls(self.built[0]), dynamic=False, options=self.options)
+        self.unfrozen = compile_model(_Calls(self.built[0]), options=self.options)
 
 
 _said_unfrozen = False   # the first model freezing fails on is warned of; later ones logged at INFO

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import resolve_reduce_range
@@ -123,9 +124,9 @@ class CompiledEngine:
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
+        xiq = _x86_quantizer()
         with library_notes_dropped():   # torchao's import gives some
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
         where = {t.device.type for t in (*fp32.parameters(), *fp32.buffers())} - {"cpu"}
         if where:
@@ -168,7 +169,13 @@ class CompiledEngine:
 class SavedAsExported(FrozenCompiled):
     """The engine's model as it runs. Saved (torch.save, pickle, copy.deepcopy) as its graph exported on zeros shaped
     as its first call's inputs (the graph of a converted model does not pickle), and compiled again where it is next
-    called: compiled code is made for the machine it runs on."""
+    called: compiled code is made for the machine it runs on. Compiled with the pre-grad pass torchao gives the
+    graphs of its X86InductorQuantizer (see _x86_quantizer), in the tuning process and in any other alike."""
+
+    def __init__(self, built: nn.Module):
+        with library_notes_dropped():   # torchao's import gives some
+            from torchao.quantization.pt2e.inductor_passes.x86 import quant_lift_up
+        super().__init__(built, options={"pre_grad_custom_pass": quant_lift_up})
 
     def __reduce__(self):
         if self.example is None:
@@ -182,6 +189,20 @@ class SavedAsExported(FrozenCompiled):
 def _write_exported(built: nn.Module, inputs, out) -> None:
     with library_notes_dropped():
         torch.export.save(export(built, inputs), out)
+
+
+def _x86_quantizer():
+    """torchao's X86InductorQuantizer module, imported with inductor's config left as it was. Importing it sets the
+    process's `pre_grad_custom_pass` to torchao's pass for every later torch.compile, and a compiled model saves a
+    copy of that config: the inductor and lowp engines' models (and a user's own) then named torchao's pass, and
+    loading them imported torchao, printing its CUDA notes. The graphs that pass is for get it as an option."""
+    with library_notes_dropped():   # torchao's import gives some
+        prior = inductor_config.pre_grad_custom_pass
+        try:
+            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer
+        finally:
+            inductor_config.pre_grad_custom_pass = prior
+    return x86_inductor_quantizer
 
 
 def quantised_ops_registered() -> None:
