@@ -10,6 +10,7 @@ import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,11 +99,21 @@ class Int8Kernels(nn.Module):
     """What every module running FBGEMM's int8 kernels holds: packed weights (`_packed`: one, or a list of them),
     which no op changes in place, so copies of the module share them; the bytes of its int8 weights; the activation
     bits it was built with (`reduce_range`). One built with 8 bits (on a CPU with AVX512-VNNI) and unpickled on a
-    CPU without it warns: its kernels can saturate there, so it may score below what was measured."""
+    CPU without it warns: its kernels can saturate there, so it may score below what was measured.
+
+    Each subclass's forward runs outside torch.compile's graphs (torch.compiler.disable): dynamo cannot trace these
+    kernels and breaks the graph at them anyway, and tracing into one under autocast (the inductor engine's
+    `autocast` knob) crashed the process in torch 2.13 (a segmentation fault at a quantized::conv2d on a pooled
+    input). Outside the graph, they run as in eager."""
 
     _packed: torch.ScriptObject | list[torch.ScriptObject]
     _nbytes: int
     reduce_range: bool
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in vars(cls):
+            cls.forward = torch.compiler.disable(cls.forward)
 
     def __deepcopy__(self, memo: dict) -> Int8Kernels:
         memo[id(self._packed)] = self._packed
