@@ -685,6 +685,19 @@ def test_a_compiled_model_runs_its_own_whole_graph_not_what_another_model_left(a
     assert not [name for name in names if name in ("aten::relu", "aten::clamp_min")], names
 
 
+def test_a_compiled_fx_graph_module_saves_and_loads(tmp_path):
+    """The fold_bn knob's models are fx GraphModules: compiling one left it, and the compiled model, unpicklable."""
+    x = torch.randn(3, 8)
+    graph = torch.fx.symbolic_trace(_Net(nn.Linear(8, 8)).eval())
+    compiled = compile_model(graph)
+    with torch.no_grad():
+        expected = compiled(x)
+        torch.save(compiled, tmp_path / "compiled.pt")
+        torch.save(graph, tmp_path / "graph.pt")
+        for name in ("compiled.pt", "graph.pt"):
+            assert torch.allclose(torch.load(tmp_path / name, weights_only=False)(x), expected, atol=1e-6)
+
+
 def test_compiling_keeps_a_forward_set_on_the_instance():
     # The copy of the forward code is of the forward the model runs: a method set on the instance stays in force,
     # and so does any other callable put there.

@@ -46,6 +46,10 @@ def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = Fa
 def _give_own_forward(model: nn.Module) -> None:
     """Points `model.forward` at a copy of its forward's code (see RECOMPILE_LIMIT's comment): the class's, or one
     set on the instance as a method of it. Any other forward set on the instance is left as it is."""
+    if isinstance(model, torch.fx.GraphModule):
+        # Its forward is code generated for it alone already (the fold_bn knob's fused models); one set on the
+        # instance made torch.save of it, and of the compiled model, recurse without end.
+        return
     forward = vars(model).get("forward")
     if forward is None:
         forward = type(model).forward
