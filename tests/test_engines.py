@@ -584,6 +584,24 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
         assert torch.equal(reread(x), built(x))
 
 
+def test_reading_int8_weights_back_from_the_compile_cache_gives_no_torch_internal_warning(tmp_path):
+    """torch.load of int8 weights warns of torch's own TypedStorage use: a resumed run's cache reads printed it."""
+    import warnings
+
+    from autotune.engines import CompileCache
+
+    cache, model, plan = CompileCache(tmp_path), mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
+    inductor = get_engine("inductor")
+    built = cache.build(inductor, model, plan, Calibration(batches(), {}), batches(1)[0])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        reread = cache.build(inductor, model, plan, Calibration(batches(), {}), batches(1)[0])
+    assert [str(w.message) for w in seen] == []
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        assert torch.equal(reread(x), built(x))
+
+
 def test_a_finalist_torch_save_cannot_pickle_is_used_unkept(tmp_path, caplog):
     """weight_norm (audio models: Wav2Vec2's positional convolution) makes a module torch.save refuses: the
     finalist is built and used all the same, only not kept for a resumed run."""

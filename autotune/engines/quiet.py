@@ -23,6 +23,7 @@ LOGGED_NOTES = {
 }
 WARNED_NOTES = (
     r"No complete tensor found in the group",    # torch.export.save of weights that share storage
+    r"TypedStorage is deprecated",               # torch.load rebuilding int8 weights (a compile-cache read)
 )
 
 # inductor's int8 convolution lowering copies a tensor with torch.tensor() at every frozen compile, at any later call
