@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.backends import dtype_names
 from autotune.plan import Plan, is_baseline, plan_id, plan_key, summarize
+from autotune.result import formatted
 from autotune.storage import study as studies
 
 LABEL_LIMIT = 40     # more points than this: only the Pareto front and the chosen plan are numbered on the plot
@@ -243,10 +244,6 @@ def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
     return _data_uri(fig)
 
 
-def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 def _cell(value: object) -> str:
     """A table cell: text is escaped; a tuple (html,) is inserted as is."""
     return value[0] if isinstance(value, tuple) else html.escape(str(value))
@@ -275,16 +272,16 @@ def trials_section(rows: list[Row]) -> str:
               "plan ms ± IQR (fp32 ms) in trial", "result", "chosen"]
     body, classes = [], []
     for row in rows:
-        timing = (f"{_fmt(row.latency_ms, '{:.3f}')} ± {_fmt(row.spread_ms, '{:.3f}')} "
-                  f"({_fmt(row.fp32_ms, '{:.3f}')})" if row.latency_ms is not None else "-")
+        timing = (f"{formatted(row.latency_ms, '{:.3f}')} ± {formatted(row.spread_ms, '{:.3f}')} "
+                  f"({formatted(row.fp32_ms, '{:.3f}')})" if row.latency_ms is not None else "-")
         result = f"<span class='{row.outcome.lower()}'>{row.outcome}</span>"
         if row.error is not None:
             result += f"<small title='{html.escape(row.error)}'>{html.escape(row.error[:80])}</small>"
         ratio = f"{row.ratio:.3f} ({row.speedup:.2f}x)" if row.ratio else "-"
         if row.ratio and row.latency_ms is None and row.error is None:
             ratio += " predicted"
-        body.append([row.number, _plan_code(row.plan), summarize(row.plan), row.source, _fmt(row.accuracy),
-                     _fmt(row.loss), ratio, timing, (result,),
+        body.append([row.number, _plan_code(row.plan), summarize(row.plan), row.source, formatted(row.accuracy),
+                     formatted(row.loss), ratio, timing, (result,),
                      ("<strong>&#9733; chosen</strong>",) if row.chosen else ""])
         classes.append(f' id="trial-{row.number}"' + (' class="chosen"' if row.chosen else ""))
     caption = ("One row per evaluated trial, numbered as on the plots; trials that reused an earlier result "
@@ -302,14 +299,14 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
-    rows = [["accuracy", _fmt(baseline), _fmt(chosen.accuracy) + " (re-evaluated)"],
+    rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
             ["speedup vs fp32", "1.00x", f"{chosen.speedup:.2f}x (re-timed)"],
             ["plan", "fp32", (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan))}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:
         rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
-                                          f"accuracy {_fmt(trial.accuracy)}"])
-    rows += [[key.replace("_", " "), "-", _fmt(value) if isinstance(value, float) else str(value)]
+                                          f"accuracy {formatted(trial.accuracy)}"])
+    rows += [[key.replace("_", " "), "-", formatted(value) if isinstance(value, float) else str(value)]
              for key, value in chosen.extra.items()]
     caption = ("The chosen plan is the one the tuner returned: after the search, the best passing plans were "
                "timed again together with fp32 and the fastest was re-evaluated. Its speedup here is from that "
@@ -400,8 +397,8 @@ def modules_section(sensitivity: dict, latency: dict, chosen: Chosen | None) -> 
     if plan:
         parts.append("<h3>Chosen plan per module</h3>" + _table(
             ["module", "dtype", "output error", "module ms (fp32)", "module ms (chosen dtype)"],
-            [[name, dtype, _fmt(sensitivity.get(name, {}).get(dtype), "{:.3g}"),
-              _fmt(latency.get(name, {}).get("fp32")), _fmt(latency.get(name, {}).get(dtype))]
+            [[name, dtype, formatted(sensitivity.get(name, {}).get(dtype), "{:.3g}"),
+              formatted(latency.get(name, {}).get("fp32")), formatted(latency.get(name, {}).get(dtype))]
              for name, dtype in plan.items()]))
     return "".join(parts)
 
@@ -426,7 +423,7 @@ def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, setting
     return (f"<h1>autotune study {html.escape(study.study_name)}</h1>"
             f"<p>{len(rows)} plans evaluated ({errors} of them with an eval_fn error) in {len(study.trials)} "
             f"trials; {reused} reused an earlier result, {lost} ended without one, {pending} running or queued. "
-            f"Baseline accuracy {_fmt(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
+            f"Baseline accuracy {formatted(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
             + "</p><nav><a href='#chosen'>chosen plan</a><a href='#plot'>accuracy vs latency</a>"
             "<a href='#trials'>trials</a><a href='#history'>history</a><a href='#timing'>timing</a>"
             "<a href='#modules'>modules</a></nav>")

@@ -54,7 +54,7 @@ class TuningResult:
 
     def summary(self) -> str:
         rows = [("", "fp32 baseline", "tuned"),
-                ("accuracy", f"{self.baseline.accuracy:.4f}", f"{self.best.accuracy:.4f}"),
+                ("accuracy", formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
@@ -66,6 +66,16 @@ class TuningResult:
                                    *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),
                                       f"{s.speedup:.2f}x") for s in self.shapes)]))
         return "\n".join(lines)
+
+
+def formatted(value: float | None, pattern: str | None = None) -> str:
+    """A number for a table: "-" for none; by `pattern`, else as a score: 4 decimals, or 4 significant digits
+    where the decimals would hide it (a mean squared error of 1.2e-4 read 0.0001)."""
+    if value is None:
+        return "-"
+    if pattern is not None:
+        return pattern.format(value)
+    return f"{value:.4f}" if value == 0 or abs(value) >= 0.1 else f"{value:.4g}"
 
 
 def table(rows: Sequence[Sequence[str]]) -> str:

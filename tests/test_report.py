@@ -264,3 +264,12 @@ def test_a_chromium_screenshot_shows_the_page_and_the_chosen_star_on_the_plot(re
     area = pixels[int(plot["top"]):int(plot["bottom"]), int(plot["left"]):int(plot["right"])]
     gold = (abs(area[..., 0] - 0xF2 / 255) < 0.03) & (abs(area[..., 1] - 0xB7 / 255) < 0.03) & (area[..., 2] < 0.15)
     assert gold.sum() > 50                      # the chosen plan's star (and its label's frame) on the plot
+
+
+def test_a_score_too_small_for_four_decimals_shows_its_digits():
+    """A mean squared error of 1.2e-4 (a lower-is-better eval_fn) read 0.0001 beside 0.0000 in the summary, show and
+    the report."""
+    from autotune.result import formatted
+    assert formatted(1.2134e-4) == "0.0001213" and formatted(-0.0123) == "-0.0123"
+    assert formatted(0.99609375) == "0.9961" and formatted(0.0) == "0.0000" and formatted(12.5) == "12.5000"
+    assert formatted(None) == "-" and formatted(1.5, "{:.2f}x") == "1.50x"

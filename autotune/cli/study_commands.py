@@ -34,7 +34,7 @@ from autotune.discovery import search_candidates
 from autotune.engines import ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
 from autotune.plan import Plan, plan_id, summarize, validate_plan
-from autotune.result import table
+from autotune.result import formatted, table
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, shown
@@ -149,15 +149,16 @@ def show(study_name: str, storage: str) -> None:
             outcome = trial.state.name.lower()
         plan = studies.trial_plan(trial)
         rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-", summarize(plan),
-                     _fmt(attrs.get("accuracy")), _ratio(trial),
+                     formatted(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
-    click.echo(f"baseline accuracy {_fmt(studies.get_attr(study, studies.BASELINE_ATTR))}")
+    click.echo(f"baseline accuracy {formatted(studies.get_attr(study, studies.BASELINE_ATTR))}")
     best = studies.get_attr(study, "best")
     if best is None:
         click.echo("no best plan recorded yet (tuning has not finished)")
         return
-    click.echo(f"best: accuracy {best['accuracy']:.4f}, speedup {best['speedup']:.2f}x, {summarize(best['plan'])}")
+    click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best['speedup']:.2f}x, "
+               f"{summarize(best['plan'])}")
     if by_shape:
         click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())
                    + "; best speedup by shape: " + ", ".join(f"{name} {speedup:.2f}x" for name, speedup
@@ -165,15 +166,11 @@ def show(study_name: str, storage: str) -> None:
     click.echo(table([["module", "dtype"], *([n, d] for n, d in best["plan"].items())]))
 
 
-def _fmt(value: float | None, pattern: str = "{:.4f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
 def _ratio(trial: optuna.trial.FrozenTrial) -> str:
     """The trial's latency ratio; `~` marks one predicted from module costs (a failing plan's, or every plan's
     with trial_timing: predicted)."""
     predicted = trial.user_attrs.get("latency_measured") is False
-    return _fmt(trial.values[0] if trial.values else None, "~{:.3f}" if predicted else "{:.3f}")
+    return formatted(trial.values[0] if trial.values else None, "~{:.3f}" if predicted else "{:.3f}")
 
 
 def _per_shape(by_shape: dict | None) -> str:
@@ -285,8 +282,8 @@ def list_command(storage: str) -> None:
     for summary in summaries:
         best = summary.user_attrs.get(studies.ATTR_PREFIX + "best") or {}
         rows.append([summary.study_name, str(summary.n_trials),
-                     _fmt(summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)),
-                     _fmt(best.get("accuracy")), _fmt(best.get("speedup"), "{:.2f}x")])
+                     formatted(summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)),
+                     formatted(best.get("accuracy")), formatted(best.get("speedup"), "{:.2f}x")])
     click.echo(table(rows))
 
 
