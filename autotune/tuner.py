@@ -25,7 +25,7 @@ from autotune.discovery import called_candidates, module_groups, search_candidat
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
-from autotune.measure.latency import device_name
+from autotune.measure.latency import LatencyStats, device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
@@ -204,12 +204,27 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
     return reason
 
 
+NOISY_SPREAD = 0.2   # an interquartile range this share of the median: the machine was busy while timing
+
+
+def _warn_if_noisy(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
+    """Says so when the timing behind the reported speedup was too noisy to trust (another load on the machine)."""
+    noisy = [f"{'fp32' if name == 'fp32' else 'tuned'} at {shape} ±{100 * stats.spread_ms / stats.median_ms:.0f} %"
+             for shape, timed in by_shape.items() for name, stats in timed.items()
+             if stats.median_ms > 0 and stats.spread_ms > NOISY_SPREAD * stats.median_ms]
+    if noisy:
+        log.warning("the timing behind the speedup was noisy (interquartile range of the median: %s), so the "
+                    "speedup may be off by as much: time the plan again on a quiet machine (`autotune bench`)",
+                    ", ".join(noisy))
+
+
 @_fewer_collections()
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
+    _warn_if_noisy(winner.by_shape)
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
