@@ -28,7 +28,8 @@ PRIVATE = re.compile(r"optuna\.[a-z_.]*\._|from optuna.*import _|\._storage|\._b
 PRIVATE_MODULE = re.compile(r"^(optuna|torch|pydantic|pydantic_core)(\..*)?\._")
 # The one exception, in one place (engines/frozen.py `_freezing`): inductor's `freezing` switch, which TorchDynamo
 # reads from this module only (torch.compile's options reach inductor alone, and quantised graphs then fail to
-# compile in torch 2.13); the x86 pt2e tutorial sets it there. Guarded: without it the engine runs unfrozen.
+# compile in torch 2.13); the x86 pt2e tutorial sets it there. Guarded: without it the engine runs unfrozen. The
+# same module restores the pre-grad pass torchao's quantizer import sets for the whole process.
 PRIVATE_ALLOWED = {"engines/frozen.py": {"torch._inductor", "torch._inductor.config"}}
 
 

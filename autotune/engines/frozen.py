@@ -4,6 +4,8 @@ run dequantised in fp32 (a residual CNN at batch 32 on an AVX512-VNNI CPU: 8x fp
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,6 +23,18 @@ try:   # inductor's `freezing` switch: see _call_frozen
     from torch._inductor import config as _inductor_config
 except ImportError:
     _inductor_config = None
+
+
+@contextmanager
+def inductor_passes_kept() -> Iterator[None]:
+    """Inductor's process-wide `pre_grad_custom_pass` as it was before the block, whatever the block set (importing
+    torchao's quantizer sets it: see pt2e._x86_quantizer)."""
+    prior = None if _inductor_config is None else _inductor_config.pre_grad_custom_pass
+    try:
+        yield
+    finally:
+        if _inductor_config is not None:
+            _inductor_config.pre_grad_custom_pass = prior
 
 
 STATIC_SHAPES = 8   # shapes a model that cannot be frozen for a dynamic batch is compiled frozen for, each apart

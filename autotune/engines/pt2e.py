@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import resolve_reduce_range
 from autotune.capture import call
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
-from autotune.engines.frozen import FrozenCompiled
+from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.plan import Plan
@@ -196,12 +195,8 @@ def _x86_quantizer():
     process's `pre_grad_custom_pass` to torchao's pass for every later torch.compile, and a compiled model saves a
     copy of that config: the inductor and lowp engines' models (and a user's own) then named torchao's pass, and
     loading them imported torchao, printing its CUDA notes. The graphs that pass is for get it as an option."""
-    with library_notes_dropped():   # torchao's import gives some
-        prior = inductor_config.pre_grad_custom_pass
-        try:
-            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer
-        finally:
-            inductor_config.pre_grad_custom_pass = prior
+    with library_notes_dropped(), inductor_passes_kept():   # torchao's import gives some notes
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer
     return x86_inductor_quantizer
 
 
