@@ -204,18 +204,17 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
     return reason
 
 
-NOISY_SPREAD = 0.2   # an interquartile range this share of the median: the machine was busy while timing
+UNCERTAIN_RATIO = 0.1   # a speedup known to no better than ±10 %: the machine was busy while it was timed
 
 
-def _warn_if_noisy(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
-    """Says so when the timing behind the reported speedup was too noisy to trust (another load on the machine)."""
-    noisy = [f"{'fp32' if name == 'fp32' else 'tuned'} at {shape} ±{100 * stats.spread_ms / stats.median_ms:.0f} %"
-             for shape, timed in by_shape.items() for name, stats in timed.items()
-             if stats.median_ms > 0 and stats.spread_ms > NOISY_SPREAD * stats.median_ms]
-    if noisy:
-        log.warning("the timing behind the speedup was noisy (interquartile range of the median: %s), so the "
-                    "speedup may be off by as much: time the plan again on a quiet machine (`autotune bench`)",
-                    ", ".join(noisy))
+def _warn_if_uncertain(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
+    """Says so when the timing behind the reported speedup was too noisy to trust (another load on the machine):
+    the rounds ran out before the winner's ratio to fp32 was known to ±UNCERTAIN_RATIO."""
+    uncertain = [f"±{100 * off:.0f} % at {shape}" for shape, timed in by_shape.items()
+                 if (off := timed["best"].ratio_uncertainty(timed["fp32"])) > UNCERTAIN_RATIO]
+    if uncertain:
+        log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
+                    "quiet machine (`autotune bench`)", ", ".join(uncertain))
 
 
 @_fewer_collections()
@@ -224,7 +223,7 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
-    _warn_if_noisy(winner.by_shape)
+    _warn_if_uncertain(winner.by_shape)
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,

@@ -51,6 +51,15 @@ class LatencyStats:
             return self.median_ms / reference.median_ms
         return statistics.median(mine / theirs for mine, theirs in zip(self.samples_ms, reference.samples_ms))
 
+    def ratio_uncertainty(self, reference: LatencyStats) -> float:
+        """How far `ratio_to(reference)` may be off, as a share of it: half its median notch (1.57 IQR / √rounds of
+        the per-round ratios). 0 where no samples are kept."""
+        ratios = [mine / theirs for mine, theirs in zip(self.samples_ms, reference.samples_ms)]
+        if len(ratios) < 2:
+            return 0.0
+        low, median, high = _notch(ratios)
+        return (high - low) / 2 / median
+
     def measurement(self, label: str, sub_label: str, description: str, num_threads: int) -> benchmark.Measurement:
         """These samples as torch.utils.benchmark's Measurement, for its `Compare` tables."""
         spec = benchmark.TaskSpec(stmt="model(*args, **kwargs)", setup="pass", label=label, sub_label=sub_label,
@@ -101,13 +110,16 @@ def _notches(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, f
     names = list(samples)
     rounds = len(samples[names[0]])
     reference = samples[names[0]] if len(names) > 1 else [statistics.median(samples[names[0]])] * rounds
-    notches = {}
-    for name in names[1:] or names:
-        q1, median, q3 = _quartiles([a / b for a, b in zip(samples[name], reference)])
-        half = 1.57 * (q3 - q1) / math.sqrt(rounds)
-        notches[name] = (median - half, median, median + half)
+    notches = {name: _notch([a / b for a, b in zip(samples[name], reference)]) for name in names[1:] or names}
     notches.setdefault(names[0], (1.0, 1.0, 1.0))
     return notches
+
+
+def _notch(ratios: list[float]) -> tuple[float, float, float]:
+    """(low, median, high): the median notch of per-round ratios, median ± 1.57 IQR / √rounds."""
+    q1, median, q3 = _quartiles(ratios)
+    half = 1.57 * (q3 - q1) / math.sqrt(len(ratios))
+    return median - half, median, median + half
 
 
 def settled(samples: dict[str, list[float]], precision: float = PRECISION) -> bool:
