@@ -793,7 +793,8 @@ print(result.engine, sorted(result.study.user_attrs["autotune.finalist_setup_s"]
 def test_a_tuning_run_in_every_engine_shows_none_of_the_notes_torch_and_torchao_give_of_their_internals(tmp_path):
     """What a user sees of a default tuning run (every engine, a conv and linears lowered to int8, saved with
     torch.save): autotune's own lines only, not torchao's failed loads of CUDA kernels, its deprecation at import,
-    dynamo's note of quantised modules it runs outside the graph or export's of weights sharing storage."""
+    dynamo's note of quantised modules it could not trace (they now run outside the graph) or export's of weights
+    sharing storage."""
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-c", DEFAULT_TUNING, str(tmp_path)], capture_output=True, text=True,

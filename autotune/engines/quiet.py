@@ -1,9 +1,9 @@
 """Notes torch and torchao print about their own internals while finalists are built, compiled, run and saved: a
-CUDA-only extension a CPU build cannot load, a deprecation inside torchao's import, a graph break dynamo recovers
-from, a tensor copy inside inductor's int8 lowering, the traceback of a first try at reading an exported file (the
-error that follows says it). They ask nothing of the user and read like failures at the end of a tuning run, so
-they are dropped by message, each at the logger or warning that gives it; every other message of those libraries
-reaches the user as ever."""
+CUDA-only extension a CPU build cannot load, a deprecation inside torchao's import, a tensor copy inside
+inductor's int8 lowering, the traceback of a first try at reading an exported file (the error that follows says
+it). They ask nothing of the user and read like failures at the end of a tuning run, so they are dropped by
+message, each at the logger or warning that gives it; every other message of those libraries reaches the user as
+ever."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +17,6 @@ LOGGED_NOTES = {
     "torchao": r"Failed to load .*torchao/_C_",                       # CUDA kernels, absent from a CPU build
     "torchao.kernel.intmm": r"Detected no triton",
     "torch.utils._pytree": r"is an Enum subclass and is now natively supported",   # torchao registers one
-    "torch._dynamo.utils": r"quantized nyi in meta tensors",          # quantised modules run outside the graph
     # a file torch.export.load cannot open: it dumps the traceback, then tries its older format, which raises
     "torch.export": r"Ran into the following error when deserializing",
 }
