@@ -1,6 +1,7 @@
 """The built-in evaluator of YAML configs: a local dataset, columns fed to the model, and a metric."""
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, describe
 
 
 class DatasetSpec(Protocol):
@@ -36,7 +37,18 @@ def load_columns(evaluation: EvaluationSpec) -> tuple[tuple[torch.Tensor, ...], 
     import datasets
 
     spec = evaluation.dataset
-    table = datasets.load_dataset(spec.file_format, data_files=spec.files, split="train").with_format("numpy")
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()     # a bar per read of a few local files says nothing
+    try:
+        table = datasets.load_dataset(spec.file_format, data_files=spec.files, split="train").with_format("numpy")
+    except Exception as exc:   # pyarrow and datasets raise many kinds for a file they cannot read
+        while exc.__cause__ is not None:     # datasets wraps the reader's own error in a general one
+            exc = exc.__cause__
+        raise ConfigError(f"evaluation.dataset.files: cannot read {spec.files} as {spec.file_format}: "
+                          f"{describe(exc)}", [("evaluation.dataset.files", describe(exc))]) from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     missing = sorted({*_columns(evaluation.inputs), evaluation.label} - set(table.column_names))
     if missing:
         raise ConfigError(f"evaluation: columns {missing} are not in {spec.files} (it has {table.column_names})",
@@ -47,7 +59,11 @@ def load_columns(evaluation: EvaluationSpec) -> tuple[tuple[torch.Tensor, ...], 
 
     def column(name: str) -> torch.Tensor:
         values = data[name]
-        return torch.as_tensor(np.stack(list(values)) if values.dtype == object else values)
+        try:
+            return torch.as_tensor(np.stack(list(values)) if values.dtype == object else values)
+        except (TypeError, ValueError) as exc:   # text, or rows of unequal length
+            raise ConfigError(f"evaluation: column {name!r} is not numbers of one shape per row ({describe(exc)})",
+                              [("evaluation", f"column {name!r}")]) from None
 
     if isinstance(evaluation.inputs, dict):
         args, kwargs = (), {arg: column(name).to(dtype) for arg, name in evaluation.inputs.items()}
@@ -55,6 +71,9 @@ def load_columns(evaluation: EvaluationSpec) -> tuple[tuple[torch.Tensor, ...], 
         names = _columns(evaluation.inputs)
         x = column(names[0]) if isinstance(evaluation.inputs, str) else torch.stack([column(n) for n in names], 1)
         if evaluation.input_shape:
+            if x[0].numel() != math.prod(evaluation.input_shape):
+                raise ConfigError(f"evaluation.input_shape: {evaluation.input_shape} does not hold a row of "
+                                  f"{names} ({x[0].numel()} values)", [("evaluation.input_shape", "size mismatch")])
             x = x.reshape(len(x), *evaluation.input_shape)
         args, kwargs = (x.to(dtype),), {}
     labels = column(evaluation.label)

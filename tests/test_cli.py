@@ -287,3 +287,34 @@ def test_metrics():
     assert score("accuracy", logits, labels) == pytest.approx(0.75)
     assert macro_f1(torch.tensor([0, 1, 2, 2]), labels) == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
     assert score("accuracy", torch.tensor([[2.0], [-1.0]]), torch.tensor([1, 1])) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("mistake", "named"), [
+    ("input_shape", ["evaluation.input_shape: [1, 7, 7] does not hold a row of ['image'] (64 values)"]),
+    ("zero_shape", ["evaluation.input_shape.1", "greater than or equal to 1"]),
+    ("text_labels", ["evaluation", "column 'label' is not numbers"]),
+    ("not_parquet", ["evaluation.dataset.files: cannot read", "as parquet: ArrowInvalid"]),
+    ("empty_csv", ["evaluation.dataset.files: cannot read", "as csv: EmptyDataError"]),
+])
+def test_a_dataset_the_evaluator_cannot_use_is_a_config_error_naming_it(tmp_path, mistake, named):
+    """Mistakes a user makes in the built-in evaluator's section, each one `Error:` line, not an unexpected error."""
+    import datasets
+
+    images = torch.rand(20, 64).numpy()
+    labels = [str(i % 10) for i in range(20)] if mistake == "text_labels" else list(range(10)) * 2
+    datasets.Dataset.from_dict({"image": images, "label": labels}).to_parquet(str(tmp_path / "digits.parquet"))
+    files, shape = "digits.parquet", [1, 8, 8]
+    if mistake == "input_shape":
+        shape = [1, 7, 7]
+    elif mistake == "zero_shape":
+        shape = [1, 0]
+    elif mistake == "not_parquet":
+        (tmp_path / "notes.parquet").write_text("these are not parquet bytes\n")
+        files = "notes.parquet"
+    elif mistake == "empty_csv":
+        (tmp_path / "empty.csv").write_text("")
+        files = "empty.csv"
+    data = {**dataset_config(files, input_shape=shape), "tuning": {"storage": f"sqlite:///{tmp_path}/s.db"}}
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
+    assert_clear_error(result, *named)
+    assert "Generating train split" not in result.output     # datasets' progress bars

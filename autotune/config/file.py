@@ -151,7 +151,8 @@ class Evaluation(StrictModel):
     inputs: str | list[str] | dict[str, str] | None = Field(
         None, description="column: one positional tensor; list: columns stacked as features; "
                           "mapping: keyword argument -> column")
-    input_shape: list[int] | None = Field(None, description="reshape each example (the positional input only)")
+    input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, description="reshape each example (the positional input only)")
     input_dtype: Literal["float32", "int64"] = "float32"
     label: str | None = None
     metric: Literal["accuracy", "f1", "mse"] = "accuracy"
