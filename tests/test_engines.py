@@ -286,6 +286,23 @@ def fidelity(reference_model: nn.Module):
     return fidelity_on(reference_model, batches(1)[0][0][0])
 
 
+def test_a_compiled_finalist_may_compile_again_within_its_evaluation_beyond_the_trial_timeout(tmp_path):
+    """A compiled model meets the eval_fn's batch sizes and grad mode first in its evaluation, and compiles again
+    there: with a trial_timeout sized for eager trials, every compiled winner timed out and fp32 was returned."""
+    import time as clock
+
+    model = mlp()
+    scored = fidelity(model)
+
+    def eval_fn(net):
+        if is_compiled(net):
+            clock.sleep(1.5)    # a compile at the eval_fn's own batch size
+        return scored(net)
+    result = autotune(model, config(tmp_path, trial_timeout=1.0), eval_fn, batches(1)[0][0][0],
+                      measurer=CompiledIsFaster())
+    assert result.engine == "compiled" and result.speedup == pytest.approx(2.5)
+
+
 def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_study(tmp_path):
     model = Branchy().eval()
     result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0], measurer=CompiledIsFaster())

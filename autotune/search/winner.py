@@ -11,6 +11,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.clone import clone
+from autotune.config.tuning import TuningConfig
 from autotune.engines import (
     KNOBS,
     Calibration,
@@ -35,6 +36,7 @@ from autotune.timeout import call_with_timeout
 log = logging.getLogger("autotune")
 
 ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
+RECOMPILES = 4     # compiles a finalist's evaluation is given time for beyond trial_timeout (see _timeout)
 
 
 @dataclass
@@ -259,7 +261,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
         runner.eval_calls += 1
         try:
             # The model returned, as it runs (compiled where its engine compiles): its score is the one reported.
-            accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, config.trial_timeout))
+            accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, _timeout(config, finalist)))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
             log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
             continue
@@ -270,6 +272,15 @@ def verified_winner(runner: TrialRunner) -> Winner:
                     config.tolerable_loss)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
     return _fp32_winner(runner, by_shape)
+
+
+def _timeout(config: TuningConfig, finalist: Finalist) -> float | None:
+    """`trial_timeout` for a finalist's evaluation, plus room to compile it again RECOMPILES times: a compiled model
+    meets the eval_fn's batch sizes and grad mode there for the first time (a 30 ms eval_fn took a compiled MLP-Mixer
+    30 s), and a trial's timeout threw every compiled winner away."""
+    if config.trial_timeout is None:
+        return None
+    return config.trial_timeout + (RECOMPILES * finalist.setup_s if finalist.engine != "eager" else 0.0)
 
 
 def _fp32_winner(runner: TrialRunner, by_shape: dict[str, dict[str, LatencyStats]]) -> Winner:
