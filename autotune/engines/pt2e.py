@@ -3,8 +3,11 @@ modules with static activation ranges calibrated on several real batches, leaves
 quantizer, and inductor compiles the result so that quantise / dequantise pairs fuse into int8 kernels."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
+import logging
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.plan import Plan
 from autotune.tree import map_tensors
+
+log = logging.getLogger("autotune")
 
 REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
@@ -44,11 +49,16 @@ def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.Expor
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
     """
     args, kwargs = inputs
+    printed = io.StringIO()    # a failing export prints the graph traced so far: kept for --debug, said if it succeeds
     try:
-        return torch.export.export(model, args, kwargs, strict=strict,
-                                   dynamic_shapes=_free_dimensions(model, args, kwargs))
+        with contextlib.redirect_stderr(printed):
+            exported = torch.export.export(model, args, kwargs, strict=strict,
+                                           dynamic_shapes=_free_dimensions(model, args, kwargs))
     except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
+        log.debug("torch.export printed before it failed:\n%s", printed.getvalue())
         raise EngineUnavailable(f"torch.export failed: {describe(exc)}") from exc
+    sys.stderr.write(printed.getvalue())
+    return exported
 
 
 def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:

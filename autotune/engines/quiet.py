@@ -17,6 +17,8 @@ LOGGED_NOTES = {
     "torchao": r"Failed to load .*torchao/_C_",                       # CUDA kernels, absent from a CPU build
     "torchao.kernel.intmm": r"Detected no triton",
     "torch.utils._pytree": r"is an Enum subclass and is now natively supported",   # torchao registers one
+    # export of data-dependent control flow: the graph traced so far, before the error the engine reports in a line
+    "torch.fx.experimental.symbolic_shapes": r"Unable to find user code corresponding to",
     # a file torch.export.load cannot open: it dumps the traceback, then tries its older format, which raises
     "torch.export": r"Ran into the following error when deserializing",
 }
