@@ -209,7 +209,8 @@ UNCERTAIN_RATIO = 0.1   # a speedup known to no better than ±10 %: the machine 
 
 def _warn_if_uncertain(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
     """Says so when the timing behind the reported speedup was too noisy to trust (another load on the machine):
-    the rounds ran out before the winner's ratio to fp32 was known to ±UNCERTAIN_RATIO."""
+    when it stopped (at `repeats` rounds, or once the winner was clearly faster than fp32), the winner's ratio to
+    fp32 was known to no better than ±UNCERTAIN_RATIO."""
     uncertain = [f"±{100 * off:.0f} % at {shape}" for shape, timed in by_shape.items()
                  if (off := timed["best"].ratio_uncertainty(timed["fp32"])) > UNCERTAIN_RATIO]
     if uncertain:
