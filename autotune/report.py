@@ -318,6 +318,28 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
             + f"<p class='caption'>{html.escape(caption)}</p>")
 
 
+def finalists_section(setup_s: dict[str, float], race: dict[str, float], chosen: Chosen | None,
+                      dropped: dict[str, str], knobs_not_tried: dict[str, str]) -> str:
+    """Every finalist built after the search: its set-up seconds (build and first calls, where compiling happens)
+    and its ratio to fp32 eager in the race, fastest first; and the engines and knobs left out, with why."""
+    if not setup_s and not dropped:
+        return ""
+    chosen_name = chosen.extra.get("finalist") if chosen is not None else None
+    names = sorted(setup_s, key=lambda name: race.get(name, math.inf))
+    body = [[name, f"{setup_s[name]:.1f}",
+             f"{race[name]:.3f} ({1 / race[name]:.2f}x)" if race.get(name) else "-",
+             ("<strong>&#9733; chosen</strong>",) if name == chosen_name else ""] for name in names]
+    left_out = [f"engine {name}: {reason}" for name, reason in dropped.items()]
+    left_out += [f"knob {name}: {reason}" for name, reason in knobs_not_tried.items()]
+    caption = (f"{len(setup_s)} finalists, {sum(setup_s.values()):.1f} s of set-up in all. Each was timed "
+               "against fp32 eager with the others; the fastest were re-evaluated in that order, and the first "
+               "within the tolerance was chosen and timed once more (its speedup above).")
+    return ("<h2 id='finalists'>Finalists</h2>"
+            + _table(["finalist", "set-up s", "latency/fp32 in the race (speedup)", "chosen"], body)
+            + f"<p class='caption'>{html.escape(caption)}</p>"
+            + ("<p>Left out: " + "; ".join(html.escape(line) for line in left_out) + "</p>" if left_out else ""))
+
+
 SETTING_LABELS = {"device": "device", "device_name": "device name", "num_threads": "threads while timing",
                   "allocation": "memory allocation while timing",
                   "warmup": "warm-up calls",
@@ -425,7 +447,8 @@ def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, setting
             f"trials; {reused} reused an earlier result, {lost} ended without one, {pending} running or queued. "
             f"Baseline accuracy {formatted(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
             + "</p><nav><a href='#chosen'>chosen plan</a><a href='#plot'>accuracy vs latency</a>"
-            "<a href='#trials'>trials</a><a href='#history'>history</a><a href='#timing'>timing</a>"
+            "<a href='#trials'>trials</a><a href='#history'>history</a><a href='#finalists'>finalists</a>"
+            "<a href='#timing'>timing</a>"
             "<a href='#modules'>modules</a></nav>")
 
 
@@ -457,7 +480,12 @@ def html_report(study: optuna.Study) -> str:
     parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline),
              _plot_section(rows, chosen, baseline, settings) if timed else "",
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
-             _history_section(rows, chosen) if timed else "", timing_section(rows, settings),
+             _history_section(rows, chosen) if timed else "",
+             finalists_section(studies.get_attr(study, "finalist_setup_s") or {},
+                               studies.get_attr(study, "finalist_ratio") or {}, chosen,
+                               studies.get_attr(study, "engines_dropped") or {},
+                               studies.get_attr(study, "knobs_not_tried") or {}),
+             timing_section(rows, settings),
              modules_section(studies.get_attr(study, "sensitivity") or {},
                              studies.get_attr(study, "module_latency_ms") or {}, chosen)]
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

@@ -229,7 +229,7 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                      "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
-                                     "knobs": list(winner.knobs),
+                                     "knobs": list(winner.knobs), "finalist": winner.name,
                                      "speedup_by_shape": {shape.name: shape.speedup for shape in shapes}})
     return TuningResult(
         model=winner.model, plan=winner.plan, study=study,

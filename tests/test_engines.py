@@ -428,6 +428,10 @@ def test_the_inductor_engine_offers_fp32_compiled_and_wins_when_it_is_fastest(tm
     assert setup["fp32 (inductor)"] > 0 and any(name.endswith("(inductor)") and name != "fp32 (inductor)"
                                                 for name in setup)
     assert result.study.user_attrs["autotune.best"]["setup_s"] == pytest.approx(setup["fp32 (inductor)"], abs=1e-3)
+    race = result.study.user_attrs["autotune.finalist_ratio"]   # each finalist's ratio to fp32 eager in the race
+    assert set(race) == set(setup) and race["fp32 (inductor)"] == pytest.approx(0.5)
+    assert all(race[name] == pytest.approx(0.8 if name.endswith("(inductor)") else 0.9)
+               for name in race if not name.startswith("fp32"))
     x = batches(1)[0][0][0]
     with torch.no_grad():
         assert torch.allclose(result.model(x), model(x), atol=1e-5)

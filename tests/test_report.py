@@ -120,7 +120,7 @@ def test_the_chosen_plan_is_marked_with_its_re_timed_speedup(tuned):
     assert f"({chosen.trial.speedup:.2f}x)" in page    # its trial's own timing, shown apart from the re-timing
     row = re.search(rf'<tr id="trial-{chosen.trial.number}" class="chosen[^"]*">(.*?)</tr>', page).group(1)
     assert "&#9733; chosen" in row and plan_id(result.plan) in row
-    assert page.count("&#9733; chosen") == 1
+    assert page.count("&#9733; chosen") == 2    # its trial's row, and its finalist's
     assert "re-timed after the search" in page and "timed once against fp32 within that trial" in page
 
 
@@ -148,6 +148,22 @@ def test_a_table_row_per_evaluated_trial_with_its_plan(tuned):
     duplicates = [t for t in result.study.trials if t.user_attrs.get("duplicate")]
     assert all(f'id="trial-{t.number}"' not in page for t in duplicates)
     assert len(re.findall(r'<tr id="trial-', page)) == len(evaluated)
+
+
+def test_every_finalist_is_listed_fastest_first_with_its_set_up_and_race_ratio(tuned):
+    result, out = tuned
+    page = out.read_text()
+    setup = result.study.user_attrs["autotune.finalist_setup_s"]
+    race = result.study.user_attrs["autotune.finalist_ratio"]
+    chosen = result.study.user_attrs["autotune.best"]["finalist"]
+    assert len(setup) >= 2 and set(race) == set(setup) and chosen in setup
+    table = re.search(r"<h2 id='finalists'>Finalists</h2><table>(.*?)</table>", page).group(1)
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", table)
+    assert [row[0] for row in rows] == sorted(setup, key=race.get)
+    for name, setup_s, ratio, mark in rows:
+        assert setup_s == f"{setup[name]:.1f}" and ratio == f"{race[name]:.3f} ({1 / race[name]:.2f}x)"
+        assert ("chosen" in mark) == (name == chosen)
+    assert f"{len(setup)} finalists" in page and "Left out: knob" in page   # no Conv2d: channels_last not tried
 
 
 def test_the_charts_are_inline_pngs(tuned):

@@ -59,6 +59,7 @@ class Winner:
     ratio: float                                   # the weighted latency ratio to fp32 over the shapes
     setup_s: float = 0.0                           # its build and first calls (compilation) in its engine
     knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
+    name: str = "fp32"                             # its finalist's name ("trial 12 (inductor) +fold_bn")
 
 
 def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
@@ -248,6 +249,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
     by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, config.repeats,
                                 warmup=0)
     ratio = {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes) for name in ["fp32", *models]}
+    studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
     rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
@@ -299,7 +301,7 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
                     name, ratio)
         return _fp32_winner(runner, by_shape)
     return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name), ratio,
-                  finalist.setup_s, finalist.knobs)
+                  finalist.setup_s, finalist.knobs, name)
 
 
 def _builds_as_trials(engine: Engine) -> bool:
