@@ -887,3 +887,46 @@ def test_a_compiled_engine_model_loads_in_a_process_that_never_quantised(tmp_pat
     done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(tmp_path)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "loaded both" in done.stdout, done.stderr[-3000:]
+
+
+class SecondCallDiffers(nn.Module):
+    """Runs other code from its second call on, so compiled it compiles again there: as dynamo did on a MobileNet
+    whose blocks, one class at several widths, ran past a graph break."""
+
+    def __init__(self, fails_later: bool = False):
+        super().__init__()
+        self.lin, self.seen, self.fails_later = nn.Linear(8, 8), False, fails_later
+
+    def forward(self, x):
+        if self.seen:
+            if self.fails_later:
+                raise ValueError("only the first call works")
+            return torch.relu(self.lin(x))
+        self.seen = True
+        return self.lin(x)
+
+
+def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_the_race(caplog):
+    from autotune.measure.shapes import Shape
+    from autotune.search.winner import Finalist, _settled
+
+    def finalist(model, compiled=True):
+        runnable = compile_model(model) if compiled else model
+        with torch.inference_mode():
+            runnable(x)   # its first call, as it was built
+        return Finalist({}, "inductor" if compiled else "eager", model, runnable, 1.0)
+
+    x = torch.randn(4, 8)
+    found = {"settles": finalist(SecondCallDiffers()), "breaks": finalist(SecondCallDiffers(fails_later=True)),
+             "eager": finalist(SecondCallDiffers(), compiled=False)}
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        kept = _settled(found, [Shape("example", ((x,), {}), 1.0)])
+    assert set(kept) == {"settles", "eager"}
+    assert "breaks is left out: a call after its first failed: ValueError: only the first call works" in caplog.text
+    assert kept["settles"].setup_s > 1.0 and kept["eager"].setup_s == 1.0   # eager code is not called again
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        kept["settles"].runnable(x)   # the race's calls compile nothing
+    unsettled = finalist(SecondCallDiffers())
+    with pytest.raises(RuntimeError, match="recompile"), torch.inference_mode(), \
+            torch.compiler.set_stance("fail_on_recompile"):
+        unsettled.runnable(x)   # what the race met before
