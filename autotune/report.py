@@ -318,16 +318,17 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
             + f"<p class='caption'>{html.escape(caption)}</p>")
 
 
-def finalists_section(setup_s: dict[str, float], race: dict[str, float], chosen: Chosen | None,
-                      dropped: dict[str, str], knobs_not_tried: dict[str, str]) -> str:
-    """Every finalist built after the search: its set-up seconds (build and first calls, where compiling happens)
-    and its ratio to fp32 eager in the race, fastest first; and the engines and knobs left out, with why."""
+def finalists_section(setup_s: dict[str, float], race: dict[str, float], evaluated: dict[str, str],
+                      chosen: Chosen | None, dropped: dict[str, str], knobs_not_tried: dict[str, str]) -> str:
+    """Every finalist built after the search: its set-up seconds (build and first calls, where compiling happens),
+    its ratio to fp32 eager in the race, fastest first, and how its re-evaluation went; and the engines and knobs
+    left out, with why."""
     if not setup_s and not dropped:
         return ""
     chosen_name = chosen.extra.get("finalist") if chosen is not None else None
     names = sorted(setup_s, key=lambda name: race.get(name, math.inf))
     body = [[name, f"{setup_s[name]:.1f}",
-             f"{race[name]:.3f} ({1 / race[name]:.2f}x)" if race.get(name) else "-",
+             f"{race[name]:.3f} ({1 / race[name]:.2f}x)" if race.get(name) else "-", evaluated.get(name, "-"),
              ("<strong>&#9733; chosen</strong>",) if name == chosen_name else ""] for name in names]
     left_out = [f"engine {name}: {reason}" for name, reason in dropped.items()]
     left_out += [f"knob {name}: {reason}" for name, reason in knobs_not_tried.items()]
@@ -335,7 +336,7 @@ def finalists_section(setup_s: dict[str, float], race: dict[str, float], chosen:
                "against fp32 eager with the others; the fastest were re-evaluated in that order, and the first "
                "within the tolerance was chosen and timed once more (its speedup above).")
     return ("<h2 id='finalists'>Finalists</h2>"
-            + _table(["finalist", "set-up s", "latency/fp32 in the race (speedup)", "chosen"], body)
+            + _table(["finalist", "set-up s", "latency/fp32 in the race (speedup)", "re-evaluation", "chosen"], body)
             + f"<p class='caption'>{html.escape(caption)}</p>"
             + ("<p>Left out: " + "; ".join(html.escape(line) for line in left_out) + "</p>" if left_out else ""))
 
@@ -482,7 +483,8 @@ def html_report(study: optuna.Study) -> str:
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "",
              finalists_section(studies.get_attr(study, "finalist_setup_s") or {},
-                               studies.get_attr(study, "finalist_ratio") or {}, chosen,
+                               studies.get_attr(study, "finalist_ratio") or {},
+                               studies.get_attr(study, "finalist_evaluated") or {}, chosen,
                                studies.get_attr(study, "engines_dropped") or {},
                                studies.get_attr(study, "knobs_not_tried") or {}),
              timing_section(rows, settings),

@@ -158,11 +158,14 @@ def test_every_finalist_is_listed_fastest_first_with_its_set_up_and_race_ratio(t
     chosen = result.study.user_attrs["autotune.best"]["finalist"]
     assert len(setup) >= 2 and set(race) == set(setup) and chosen in setup
     table = re.search(r"<h2 id='finalists'>Finalists</h2><table>(.*?)</table>", page).group(1)
-    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", table)
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", table)
     assert [row[0] for row in rows] == sorted(setup, key=race.get)
-    for name, setup_s, ratio, mark in rows:
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
+    for name, setup_s, ratio, outcome, mark in rows:
         assert setup_s == f"{setup[name]:.1f}" and ratio == f"{race[name]:.3f} ({1 / race[name]:.2f}x)"
-        assert ("chosen" in mark) == (name == chosen)
+        assert ("chosen" in mark) == (name == chosen) and outcome == evaluated.get(name, "-")
+    assert evaluated[chosen].startswith("passed: score ")
+    assert all(race[name] <= race[chosen] for name in evaluated)   # evaluated fastest first, until one passed
     assert f"{len(setup)} finalists" in page and "Left out: knob" in page   # no Conv2d: channels_last not tried
 
 

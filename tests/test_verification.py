@@ -126,6 +126,11 @@ def test_a_finalist_whose_model_computes_what_a_rejected_ones_did_costs_no_eval_
     assert result.plan == {"0": "fp32", "1": "int8"}
     assert calls.count(plan_key(uniform)) == 1       # its trial: never a finalist after it failed
     assert calls.count(plan_key(flaky)) == 2         # its trial, and one re-evaluation for both engines
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]   # what the report's finalists table shows
+    missed = [name for name, outcome in evaluated.items() if outcome == "missed: score 0, loss 1"]
+    assert len(missed) == 1 and sorted(evaluated.values()).count(
+        f"not evaluated: its model computes what {missed[0]}'s did") == 1
+    assert evaluated[result.study.user_attrs["autotune.best"]["finalist"]] == "passed: score 1, loss 0"
 
 
 class ComputesOtherwiseCompiled(nn.Module):

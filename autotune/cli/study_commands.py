@@ -293,7 +293,7 @@ def list_command(storage: str) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda _c, _p, v: writable(v),
               help="the HTML file to write")
 def report(study_name: str, storage: str, out: str) -> None:
-    """HTML report of STUDY: chosen plan, accuracy vs latency, trials, history, per-module signals."""
+    """HTML report of STUDY: chosen plan, accuracy vs latency, trials, history, finalists, per-module signals."""
     from autotune.report import html_report
 
     Path(out).write_text(html_report(load_study(study_name, storage)))
