@@ -81,6 +81,23 @@ def test_show_lists_trials_and_best(tuned):
     assert evaluated and len({row[2] for row in evaluated}) == len(evaluated)   # one plan id per evaluated plan
 
 
+@pytest.mark.parametrize(("engine", "knobs", "runs_as"), [("lowp", ["fold_bn"], ", lowp engine with fold_bn"),
+                                                           ("compiled", [], ", compiled engine"), ("eager", [], "")])
+def test_show_says_which_engine_and_knobs_the_best_plan_runs_with(tmp_path, engine, knobs, runs_as):
+    import optuna
+
+    from autotune.storage import study as studies
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=storage)
+    studies.set_attr(study, studies.BASELINE_ATTR, 0.99)
+    studies.set_attr(study, "best", {"plan": {"a": "bf16", "b": "bf16"}, "accuracy": 0.99, "speedup": 2.171,
+                                     "engine": engine, "knobs": knobs})
+    result = run("show", "s", "--storage", storage)
+    assert result.exit_code == 0, result.output
+    assert f"best: accuracy 0.9900, speedup 2.17x, bf16×2{runs_as}\n" in result.output
+
+
 @pytest.mark.parametrize("fmt", ["json", "yaml"])
 def test_export_best_plan(tuned, fmt):
     folder, _, storage, _ = tuned

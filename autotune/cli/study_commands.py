@@ -158,12 +158,20 @@ def show(study_name: str, storage: str) -> None:
         click.echo("no best plan recorded yet (tuning has not finished)")
         return
     click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best['speedup']:.2f}x, "
-               f"{summarize(best['plan'])}")
+               f"{summarize(best['plan'])}{_runs_as(best)}")
     if by_shape:
         click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())
                    + "; best speedup by shape: " + ", ".join(f"{name} {speedup:.2f}x" for name, speedup
                                                             in best.get("speedup_by_shape", {}).items()))
     click.echo(table([["module", "dtype"], *([n, d] for n, d in best["plan"].items())]))
+
+
+def _runs_as(best: dict) -> str:
+    """How the best plan runs, where that is more than its modules swapped: its engine and knobs."""
+    engine, knobs = best.get("engine", "eager"), best.get("knobs") or []
+    if engine == "eager" and not knobs:
+        return ""
+    return f", {engine} engine" + (f" with {', '.join(knobs)}" if knobs else "")
 
 
 def _ratio(trial: optuna.trial.FrozenTrial) -> str:
