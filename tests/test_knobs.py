@@ -52,6 +52,16 @@ def test_a_knob_keeps_the_numerics_and_leaves_the_given_model_alone(name):
         assert changed.get_submodule("0").weight.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_fold_bn_is_not_tried_where_the_engine_folds_batchnorms_itself():
+    from autotune.engines import Calibration, realise
+
+    pytest.importorskip("torchao")
+    built = realise(conv_bn(), {"0": "int8", "4": "int8"}, "compiled", Calibration([((X,), {})], {}))
+    exported = torch.export.export(conv_bn(), (X,)).module()   # the graph the engine starts from
+    assert "batch_norm" in exported.code and "batch_norm" not in built.code
+    assert "compiled" not in KNOBS["fold_bn"].engines and {"eager", "inductor", "lowp"} <= set(KNOBS["fold_bn"].engines)
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
