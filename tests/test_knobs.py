@@ -108,6 +108,30 @@ def inputs():
     return X
 
 
+class CompiledFp32IsFastest(HalfCostMeasurer):
+    """In the inductor engine the fp32 plan runs at 0.3 of fp32 eager, lowered plans at 0.8; eager ones at 0.7."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        def ms(name):
+            return 10.0 if name == "fp32" else 3.0 if name.startswith("fp32 (inductor)") else \
+                8.0 if "(inductor)" in name else 7.0
+        return {name: LatencyStats(ms(name), 0.0, repeats) for name in models}
+
+
+def test_a_compiling_engine_tries_its_knobs_on_its_fastest_finalist_as_compiled(tmp_path):
+    """The search ranks plans by their eager timing: in a compiling engine the knobs go to the finalist that runs
+    fastest there (timed in a heat), not to the fastest trial plan; in the eager engine, to that trial plan."""
+    model = conv_bn()
+    config = TuningConfig(engines=["eager", "inductor"], knobs=["fold_bn"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
+                          max_trials=4, storage=f"sqlite:///{tmp_path}/k.db", study_name="knobs")
+    result = autotune(model, config, fidelity(model, X), X, measurer=CompiledFp32IsFastest())
+    with_knob = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if name.endswith("+fold_bn")]
+    assert "fp32 (inductor) +fold_bn" in with_knob and len(with_knob) == 2
+    eager_base = next(name for name in with_knob if "(" not in name).removesuffix(" +fold_bn")
+    assert eager_base.startswith("trial ")   # the eager engine's first finalist: the fastest passing trial
+
+
 def test_a_plan_file_naming_an_unknown_knob_is_refused(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"plan": {"0": "fp32"}, "engine": "eager", "knobs": ["turbo"]}))

@@ -37,6 +37,7 @@ log = logging.getLogger("autotune")
 
 ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
 SETTLE_PASSES = 4  # passes over the compiled finalists after their first calls, until none compiles any more
+HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling engine, the finalist for its knobs
 RECOMPILES = 4     # compiles a finalist's evaluation is given time for beyond trial_timeout (see _timeout)
 
 
@@ -134,10 +135,12 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
         if suffix and engine.unsupported(fp32 := _fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
-            built = _built_in(engine, plans, suffix, runner, calibration, cache)
+            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache), runner.shapes)
             found.update(built)
-            found.update(_with_knobs(engine, knobs, {name: plans[name] for name in plans if name + suffix in built},
-                                     suffix, runner, cache, failed_knobs))
+            engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
+            if engine_knobs and built:
+                found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
+                                         failed_knobs))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             dropped[engine_name] = str(exc)
@@ -189,20 +192,34 @@ def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency
     return [name for name in runner.config.knobs if name not in not_tried]
 
 
-def _with_knobs(engine: Engine, knobs: list[str], plans: dict[str, Plan], suffix: str, runner: TrialRunner,
+def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan]:
+    """The finalist of one engine its knobs are tried on, by name, and its plan: where the engine compiles, the
+    fastest of its (settled) finalists timed together, in at most HEAT_ROUNDS rounds; else the first, the fastest
+    passing trial. The search ranks plans by their eager timing, which says little of a plan compiled: on a
+    MobileNet the inductor engine's fastest trial plan (its int8 modules each a graph break) raced at 1.06x fp32's
+    time where its uniform bf16 plan raced at 0.49x, and the knobs went to the former."""
+    first = next(iter(built))
+    if len(built) == 1 or all(finalist.runnable is finalist.built for finalist in built.values()):
+        return first, built[first].plan
+    with torch.inference_mode():
+        for shape in runner.shapes:
+            call(runner.fp32, shape.inputs)
+    models = {"fp32": runner.fp32, **{name: finalist.runnable for name, finalist in built.items()}}
+    by_shape = latency_by_shape(runner.measurer, models, runner.shapes, HEAT_ROUNDS, warmup=0)
+    fastest = min(built, key=lambda name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes))
+    return fastest, built[fastest].plan
+
+
+def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
                 cache: CompileCache, failed: set[str]) -> dict[str, Finalist]:
-    """The engine's best finalist plan with each of `knobs` that has an effect in this engine; a knob the model's
-    tool or the engine then cannot handle is left out with its reason logged."""
-    best = next(iter(plans.items()), None)
+    """The finalist `base` (its name and plan) with each of `knobs` (those with an effect in this engine); a knob
+    the model's tool or the engine then cannot handle is left out with its reason logged."""
     found: dict[str, Finalist] = {}
     for knob in (KNOBS[name] for name in knobs):
-        if best is None or (knob.engines is not None and engine.name not in knob.engines):
-            continue
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
         calibration = Calibration(runner.batches, runner.calibration)
         try:
-            found[f"{best[0]}{suffix} +{knob.name}"] = _ready(engine, best[1], runner, calibration, cache,
-                                                              (knob.name,))
+            found[f"{base[0]} +{knob.name}"] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
             level = logging.INFO if knob.name in failed else logging.WARNING
             log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
