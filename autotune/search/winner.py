@@ -201,13 +201,22 @@ def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Pl
     first = next(iter(built))
     if len(built) == 1 or all(finalist.runnable is finalist.built for finalist in built.values()):
         return first, built[first].plan
+    _, ratio = _race(runner, {name: finalist.runnable for name, finalist in built.items()}, HEAT_ROUNDS)
+    fastest = min(built, key=ratio.get)
+    return fastest, built[fastest].plan
+
+
+def _race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
+          ) -> tuple[dict[str, dict[str, LatencyStats]], dict[str, float]]:
+    """`models` timed together with fp32 at every shape, in at most `repeats` rounds: the timings, and each one's
+    (and fp32's) weighted ratio to fp32. The models were called at every shape as they were built and settled
+    (_ready, _settled); fp32 is called at each here, so none needs a warm-up call."""
     with torch.inference_mode():
         for shape in runner.shapes:
             call(runner.fp32, shape.inputs)
-    models = {"fp32": runner.fp32, **{name: finalist.runnable for name, finalist in built.items()}}
-    by_shape = latency_by_shape(runner.measurer, models, runner.shapes, HEAT_ROUNDS, warmup=0)
-    fastest = min(built, key=lambda name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes))
-    return fastest, built[fastest].plan
+    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, repeats, warmup=0)
+    return by_shape, {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
+                      for name in ["fp32", *models]}
 
 
 def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
@@ -293,14 +302,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
     config = runner.config
     candidates = finalists(runner)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
-    # Every finalist was called at every shape as it was built (_ready); fp32 is called at each here, so no model
-    # needs a warm-up call in the race.
-    with torch.inference_mode():
-        for shape in runner.shapes:
-            call(runner.fp32, shape.inputs)
-    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, config.repeats,
-                                warmup=0)
-    ratio = {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes) for name in ["fp32", *models]}
+    by_shape, ratio = _race(runner, models, config.repeats)
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
     rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
     evaluated: dict[str, str] = {}    # finalist -> how its re-evaluation went, kept on the study as it goes
