@@ -306,6 +306,11 @@ def verified_winner(runner: TrialRunner) -> Winner:
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
     rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
     evaluated: dict[str, str] = {}    # finalist -> how its re-evaluation went, kept on the study as it goes
+
+    def note(name: str, outcome: str) -> None:
+        evaluated[name] = outcome
+        studies.set_attr(runner.study, "finalist_evaluated", evaluated)
+
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
             break
@@ -313,7 +318,7 @@ def verified_winner(runner: TrialRunner) -> Winner:
         numerics = _numerics(finalist)
         if numerics in rejected:
             log.info("%s is not evaluated: its model computes what %s's did", name, rejected[numerics])
-            evaluated[name] = f"not evaluated: its model computes what {rejected[numerics]}'s did"
+            note(name, f"not evaluated: its model computes what {rejected[numerics]}'s did")
             continue
         rejected[numerics] = name    # until it passes, when the search ends
         runner.eval_calls += 1
@@ -322,18 +327,15 @@ def verified_winner(runner: TrialRunner) -> Winner:
             accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, _timeout(config, finalist)))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
             log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
-            evaluated[name] = f"eval_fn failed: {describe(exc)}"
-            studies.set_attr(runner.study, "finalist_evaluated", evaluated)
+            note(name, f"eval_fn failed: {describe(exc)}")
             continue
         loss = config.accuracy_loss(runner.baseline, accuracy)
         passed = config.passes(runner.baseline, accuracy)
-        evaluated[name] = f"{'passed' if passed else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}"
-        studies.set_attr(runner.study, "finalist_evaluated", evaluated)
+        note(name, f"{'passed' if passed else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
         if passed:
             return _timed_again(runner, finalist, name, accuracy)
         log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where %.4g "
                     "is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
-    studies.set_attr(runner.study, "finalist_evaluated", evaluated)
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
     return _fp32_winner(runner, by_shape)
 
