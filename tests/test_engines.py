@@ -538,7 +538,7 @@ def test_the_eager_engine_gets_a_uniform_plan_predicted_slower_than_the_plans_tr
 
 
 def test_a_dtype_whose_modules_ran_several_times_slower_eagerly_gets_no_uniform_finalist(caplog):
-    from autotune.search.winner import uniform_finalists
+    from autotune.search.finalists import uniform_finalists
 
     candidates = {"a": ["int8", "fp16", "fp32"], "b": ["int8", "fp16", "fp32"], "c": ["fp32"]}
     # int8: a slower alone, b faster, 1.05x in all (inductor may fuse it ahead); fp16 emulated, 4.5x slower.
@@ -908,7 +908,7 @@ class SecondCallDiffers(nn.Module):
 
 def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_the_race(caplog):
     from autotune.measure.shapes import Shape
-    from autotune.search.winner import Finalist, _settled
+    from autotune.search.finalists import Finalist, _settled
 
     def finalist(model, compiled=True):
         runnable = compile_model(model) if compiled else model

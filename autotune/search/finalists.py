@@ -1,0 +1,289 @@
+"""The finalists: in every configured engine, the plans worth timing compiled (the fastest passing trials, the
+uniform plans, fp32, each knob on the engine's fastest), built, called until they compile nothing more, and timed
+together against fp32 (`race`)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotune.capture import call
+from autotune.engines import (
+    KNOBS,
+    Calibration,
+    CompileCache,
+    EagerEngine,
+    Engine,
+    EngineUnavailable,
+    Knob,
+    get_engine,
+)
+from autotune.errors import describe
+from autotune.measure.latency import LatencyStats
+from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
+from autotune.measure.module_latency import HOPELESS_RATIO
+from autotune.measure.shapes import Shape, weighted_ratio
+from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
+from autotune.search.trials import TrialRunner
+from autotune.storage import study as studies
+
+log = logging.getLogger("autotune")
+
+ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
+SETTLE_PASSES = 4  # passes over the compiled finalists after their first calls, until none compiles any more
+HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling engine, the finalist for its knobs
+
+
+@dataclass
+class Finalist:
+    plan: Plan
+    engine: str
+    built: nn.Module        # the plan as built, before any compiling: what export / apply save
+    runnable: nn.Module     # what is timed, evaluated and returned
+    setup_s: float          # building it and its first calls (compilation) at every shape
+    knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
+
+
+def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
+    """Of the passing trials `engine` can realise: the three fastest and the fastest uniform plan, so the winner
+    is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank them
+    wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
+
+    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (an engine building plans as
+    the trials ran them, those they did not evaluate): the search predicts costs from modules timed alone, which
+    misses what they do to their neighbours (on MiniLM three bf16 modules predicted faster than int8 made the
+    model slower than all-int8) and what a compiler fuses (int8 convolutions, slower alone, fused by inductor).
+    Such a plan is re-evaluated before it can win, like every finalist."""
+    passing = [t for t in studies.passing_trials(runner.study)
+               if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan, runner.fp32) is None]
+    uniform_keys = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
+    best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
+    plans = {f"trial {t.number}": studies.trial_plan(t) for t in passing[:3] + best_uniform}
+    known = {plan_key(plan) for plan in plans.values()}
+    if _builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
+        known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
+    for dtype, plan in uniform.items():
+        if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
+            plans[f"uniform {dtype}"] = plan
+    return plans
+
+
+def uniform_finalists(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]) -> dict[str, Plan]:
+    """{dtype: its uniform plan} for each lowered dtype `too_slow` finds no reason against."""
+    plans = {}
+    for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
+        reason = too_slow(candidates, latency, dtype)
+        if reason is None:
+            plans[dtype] = uniform_plan(candidates, dtype)
+        else:
+            log.info("uniform %s is not a finalist: %s", dtype, reason)
+    return plans
+
+
+def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]], dtype: str) -> str | None:
+    """Why running the modules that may take `dtype` in it cannot pay, even compiled: it is not a dtype tuned
+    here, or they took HOPELESS_RATIO times their fp32 time or more in all, run eagerly. Compiling fuses the casts
+    and quantisation around a dtype's kernels, never makes the kernels themselves several times faster (bf16 and
+    fp16 on a CPU that emulates them measure 4-25x slower: trying them costs a compile and seconds of timing)."""
+    lowered = [name for name, options in candidates.items() if dtype in options]
+    if not lowered:
+        return f"{dtype} is not among the dtypes tuned"
+    fp32_ms = sum(latency[n]["fp32"] for n in lowered)
+    ratio = sum(latency[n][dtype] for n in lowered) / fp32_ms if fp32_ms > 0 else 1.0
+    return f"its modules took {ratio:.1f}x their fp32 time in {dtype}, eagerly" if ratio >= HOPELESS_RATIO else None
+
+
+def finalists(runner: TrialRunner) -> dict[str, Finalist]:
+    """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
+    reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
+    with its reason logged and kept on the study (`engines_dropped`: {engine: reason})."""
+    calibration = Calibration(runner.batches, runner.calibration, runner.variants)
+    compiling = any(engine != "eager" for engine in runner.config.engines)
+    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
+    cache.load_compiler_artefacts()
+    found: dict[str, Finalist] = {}
+    latency = studies.get_attr(runner.study, "module_latency_ms")
+    candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
+    uniform = uniform_finalists(candidates, latency)   # once: it logs what it leaves out
+    knobs = _knobs_to_try(runner, candidates, latency)
+    failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
+    dropped: dict[str, str] = {}
+    for engine_name in runner.config.engines:
+        engine = get_engine(engine_name)
+        suffix = "" if engine_name == "eager" else f" ({engine_name})"
+        plans = finalist_plans(runner, engine, uniform)
+        if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
+            plans["fp32"] = fp32
+        try:
+            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache), runner.shapes)
+            found.update(built)
+            engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
+            if engine_knobs and built:
+                found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
+                                         failed_knobs))
+        except EngineUnavailable as exc:
+            log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
+            dropped[engine_name] = str(exc)
+            studies.set_attr(runner.study, "engines_dropped", dropped)
+    found = _settled(found, runner.shapes)
+    cache.save_compiler_artefacts()
+    studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
+    return found
+
+
+def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
+              cache: CompileCache) -> dict[str, Finalist]:
+    """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
+    out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
+    ENGINE_TRIES failures or all of them, the engine cannot run this model.
+
+    Raises:
+        EngineUnavailable: the first failure's reason, when the engine is given up.
+    """
+    built: dict[str, Finalist] = {}
+    failures: list[tuple[str, EngineUnavailable]] = []
+    for name, plan in plans.items():
+        if not built and len(failures) == ENGINE_TRIES:
+            break
+        try:
+            built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
+        except EngineUnavailable as exc:
+            failures.append((name + suffix, exc))
+    if failures and not built:
+        raise failures[0][1] from None
+    for name, exc in failures:
+        log.warning("%s is left out: %s", name, exc)
+    return built
+
+
+def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
+                  ) -> list[str]:
+    """The configured knobs the model has a use for; each other one's reason is logged and kept on the study
+    (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model, or autocast in a dtype `too_slow` rules out."""
+
+    def why_not(knob: Knob) -> str | None:
+        low = knob.runs_in(runner.fp32)
+        return knob.supports(runner.fp32) or (too_slow(candidates, latency, low) if low else None)
+
+    not_tried = {name: reason for name in runner.config.knobs if (reason := why_not(KNOBS[name]))}
+    for name, reason in not_tried.items():
+        log.info("knob %s is not tried: %s", name, reason)
+    studies.set_attr(runner.study, "knobs_not_tried", not_tried)
+    return [name for name in runner.config.knobs if name not in not_tried]
+
+
+def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan]:
+    """The finalist of one engine its knobs are tried on, by name, and its plan: where the engine compiles, the
+    fastest of its (settled) finalists timed together, in at most HEAT_ROUNDS rounds; else the first, the fastest
+    passing trial. The search ranks plans by their eager timing, which says little of a plan compiled: on a
+    MobileNet the inductor engine's fastest trial plan (its int8 modules each a graph break) raced at 1.06x fp32's
+    time where its uniform bf16 plan raced at 0.49x, and the knobs went to the former."""
+    first = next(iter(built))
+    if len(built) == 1 or all(finalist.runnable is finalist.built for finalist in built.values()):
+        return first, built[first].plan
+    _, ratio = race(runner, {name: finalist.runnable for name, finalist in built.items()}, HEAT_ROUNDS)
+    fastest = min(built, key=ratio.get)
+    return fastest, built[fastest].plan
+
+
+def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
+          ) -> tuple[dict[str, dict[str, LatencyStats]], dict[str, float]]:
+    """`models` timed together with fp32 at every shape, in at most `repeats` rounds: the timings, and each one's
+    (and fp32's) weighted ratio to fp32. The models were called at every shape as they were built and settled
+    (_ready, _settled); fp32 is called at each here, so none needs a warm-up call."""
+    with torch.inference_mode():
+        for shape in runner.shapes:
+            call(runner.fp32, shape.inputs)
+    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, repeats, warmup=0)
+    return by_shape, {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
+                      for name in ["fp32", *models]}
+
+
+def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
+                cache: CompileCache, failed: set[str]) -> dict[str, Finalist]:
+    """The finalist `base` (its name and plan) with each of `knobs` (those with an effect in this engine); a knob
+    the model's tool or the engine then cannot handle is left out with its reason logged."""
+    found: dict[str, Finalist] = {}
+    for knob in (KNOBS[name] for name in knobs):
+        # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
+        calibration = Calibration(runner.batches, runner.calibration)
+        try:
+            found[f"{base[0]} +{knob.name}"] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
+        except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
+            level = logging.INFO if knob.name in failed else logging.WARNING
+            log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
+            failed.add(knob.name)
+    return found
+
+
+def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
+           cache: CompileCache, knobs: tuple[str, ...] = ()) -> Finalist:
+    """`plan` built in `engine` (or read back from the study's compile cache) and called once at every shape,
+    which is when torch.compile compiles: the seconds all that took are the plan's set-up cost in this engine
+    (kept on the study).
+
+    Raises:
+        EngineUnavailable: building the plan or the first calls failed (e.g. the compiler could not handle the
+            model): after the search, an engine's failure must not cost the run its result.
+    """
+    started = time.perf_counter()
+    try:
+        built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
+    except EngineUnavailable:
+        raise
+    except Exception as exc:   # the libraries an engine builds with raise many kinds
+        raise EngineUnavailable(f"{engine.name}: building the plan failed: {describe(exc)}") from exc
+    runnable = engine.runnable(built)
+    try:
+        with torch.inference_mode():
+            for shape in runner.shapes:
+                call(runnable, shape.inputs)
+    except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
+        raise EngineUnavailable(f"{engine.name}: the first call failed: {describe(exc)}") from exc
+    return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
+
+
+def _settled(found: dict[str, Finalist], shapes: list[Shape]) -> dict[str, Finalist]:
+    """`found`, with every compiled finalist called at every shape until a pass compiles nothing more (at most
+    SETTLE_PASSES passes; the seconds go to its setup_s), so the race times compiled code, not compiling. One call
+    at a shape is not always the last compile there: dynamo may then make a size dynamic (one block class run at
+    several widths), and finalists share the frames below a graph break, so one finalist's new entries can route
+    another's next call into frames it has not run. On a MobileNet with int8 squeeze-excitation convolutions the
+    race timed inductor finalists at up to 155x fp32's time that way, and never chose them. A finalist whose calls
+    now fail (they did not at first) is left out with its reason logged."""
+    compiled = {name: finalist for name, finalist in found.items() if finalist.runnable is not finalist.built}
+    for _ in range(SETTLE_PASSES):
+        compiling = False
+        for name, finalist in list(compiled.items()):
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    try:
+                        with torch.compiler.set_stance("fail_on_recompile"):
+                            for shape in shapes:
+                                call(finalist.runnable, shape.inputs)
+                    except RuntimeError:   # it would compile: let it, and pass over all of them again
+                        compiling = True
+                        for shape in shapes:
+                            call(finalist.runnable, shape.inputs)
+            except Exception as exc:   # compilers raise many kinds
+                log.warning("%s is left out: a call after its first failed: %s", name, describe(exc))
+                del compiled[name], found[name]
+                continue
+            finalist.setup_s += time.perf_counter() - started
+        if not compiling:
+            break
+    return found
+
+
+def _builds_as_trials(engine: Engine) -> bool:
+    """Whether `engine` builds plans as the trials ran them (modules swapped, eagerly), so that what accuracy is
+    measured on is the same model: the eager engine, and the inductor engine, which compiles only what it times."""
+    return type(engine).build is EagerEngine.build
+
+
+def fp32_plan(runner: TrialRunner) -> Plan:
+    return runner.space.expand({unit: "fp32" for unit in runner.space.choices})
