@@ -71,3 +71,23 @@ def test_a_dtype_the_model_fails_with_stays_out_of_that_module_alone(storage, ca
     tried = [t.user_attrs["plan"] for t in result.study.trials if "plan" in t.user_attrs]
     assert any(plan["wi"] == "int8" for plan in tried) and not any(plan["wo"] == "int8" for plan in tried)
     assert fidelity(result.model) >= 0.95
+
+
+class WithScriptedBlock(nn.Module):
+    """A submodule compiled with torch.jit.script: no Python hooks can be set on it or on what it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi = nn.Linear(64, 128)
+        self.inner = torch.jit.script(nn.Sequential(nn.Linear(128, 128), nn.ReLU()))
+        self.wo = nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.wo(self.inner(torch.relu(self.wi(x))))
+
+
+def test_a_scripted_submodule_is_run_as_it_is_and_the_modules_around_it_are_tuned(storage):
+    model = WithScriptedBlock()
+    result, fidelity = tune(model, storage, ["int8", "fp32"])
+    assert set(result.plan) == {"wi", "wo"} and "int8" in result.plan.values()
+    assert isinstance(result.model.inner, torch.jit.ScriptModule) and fidelity(result.model) >= 0.95

@@ -103,7 +103,10 @@ def _call_order(model: nn.Module, inputs: CallInputs) -> tuple[dict[int, tuple[i
     def ended(module, args, output):
         order[id(module)][1] = next(events)
 
-    output = call_hooked(model, inputs, [h for module in model.modules() for h in (
+    # A torch.jit.script module takes no Python hooks: it and what it holds are not in the order, so they are
+    # run again in every forward rather than answered from a record.
+    output = call_hooked(model, inputs, [h for module in model.modules()
+                                         if not isinstance(module, torch.jit.ScriptModule) for h in (
         module.register_forward_pre_hook(started), module.register_forward_hook(ended))])
     return {key: (start, end) for key, (start, end) in order.items()}, output
 
