@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import time
@@ -123,7 +124,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
-    fp32 = clone(model).eval().to(device)
+    fp32 = working_copy(model, device)
     candidates = search_candidates(fp32, config)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     weights = studies.weights_signature(fp32)
@@ -165,6 +166,19 @@ class _Setup:
     shapes: list[Shape]
     sensitivity: dict[str, dict[str, float]]
     latency: dict[str, dict[str, float]]
+
+
+def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """The copy of the user's model that the tuner calls, lowers and returns: in eval mode, since inference is what
+    is tuned and timed (a model handed over in training mode is said to be), on `device`."""
+    if any(module.training for module in model.modules()):
+        log.warning("the model is in training mode (dropout on, batch norm updating its statistics): it is evaluated, "
+                    "tuned and returned in eval mode; call model.eval() on yours to compare")
+    fp32 = clone(model).eval()
+    if any(tensor.device != device for tensor in itertools.chain(fp32.parameters(), fp32.buffers())):
+        # Only then: `.to` reads every parameter's .grad, which warns on a torch.jit.script submodule's copy.
+        fp32 = fp32.to(device)
+    return fp32
 
 
 def _measured(study) -> bool:

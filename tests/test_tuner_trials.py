@@ -1,4 +1,5 @@
 """Trial-level behaviour on a model whose int8 layers are measurably faster than fp32."""
+import copy
 import logging
 import time
 
@@ -70,6 +71,24 @@ def test_the_users_model_is_untouched_when_tuning_raises(storage):
 
     with pytest.raises(EvalFunctionError, match="the fp32 baseline evaluation failed.*ValueError: boom"):
         autotune(model, TuningConfig(storage=storage, repeats=3), eval_fn)
+    assert_state_equal(model, before)
+
+
+def test_a_model_in_training_mode_is_tuned_in_eval_mode_and_the_user_is_told(storage, caplog):
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Dropout(0.5), nn.ReLU(), nn.Linear(1024, 16)).train()
+    before = state_snapshot(model)
+    modes: list[bool] = []
+    score = fidelity_eval(copy.deepcopy(model).eval())
+
+    def eval_fn(net):
+        modes.append(net.training)
+        return score(net)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(model, TuningConfig(storage=storage, engines=["eager"], max_trials=3, repeats=3), eval_fn,
+                          example_inputs=INPUTS[:64])
+    assert "the model is in training mode" in caplog.text and "returned in eval mode" in caplog.text
+    assert modes and not any(modes)   # every evaluation saw the model in eval mode
+    assert not result.model.training and model.training   # the user's model keeps its mode and weights
     assert_state_equal(model, before)
 
 
