@@ -105,6 +105,25 @@ def test_the_compiled_engine_quantises_a_linear_whose_weight_is_a_transposed_vie
     assert not model[0].weight.is_contiguous()    # the model given is left as it was
 
 
+@pytest.mark.parametrize("plan", [{"0": "int8", "2": "int8", "4": "fp32"}, {"0": "fp32", "2": "int8", "4": "int8"}])
+def test_the_compiled_engine_quantises_convolutions_padded_same_or_valid(plan):
+    """A convolution padded "same" or "valid" exports as aten.conv2d.padding, which the quantizer did not annotate:
+    the engine was dropped for the whole model, even for plans keeping that convolution in fp32. Such paddings,
+    the same on both sides, are given as numbers on the engine's copy; the model given keeps its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding="same", dilation=2), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding="valid"), nn.ReLU(), nn.Conv2d(8, 4, 5, padding="same")).eval()
+    x = torch.randn(2, 3, 16, 16)
+    reference = model(x).detach()
+    built = realise(model, plan, "compiled", Calibration([((x,), {})], {}))
+    with torch.inference_mode():
+        out = CompiledEngine().runnable(built)(x)
+    assert out.shape == reference.shape and ((out - reference).norm() / reference.norm()).item() < 0.05
+    int8_weights = sum("dequantize_per_channel" in str(node.target) for node in built.graph.nodes)
+    assert int8_weights == list(plan.values()).count("int8")
+    assert [model[i].padding for i in (0, 2, 4)] == ["same", "valid", "same"]
+
+
 class AudioFront(nn.Module):
     """A Conv1d front (no int8 pattern in the quantizer) before a Linear head (one)."""
 

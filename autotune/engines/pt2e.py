@@ -83,15 +83,17 @@ def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
 
 
 def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
-    """`fp32`, or a copy of it where the plan's int8 modules are what the quantizer realises right: a GPT-style
-    Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name, and
-    a Linear's weight that is a strided view (a transposed tied weight) as a tensor of its own, since inductor's
-    frozen int8 linear read such a view wrongly (torch 2.13: outputs 120 % off)."""
+    """`fp32`, or a copy of it where the modules are what the quantizer realises right: the plan's int8 GPT-style
+    Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name; an int8
+    Linear's weight that is a strided view (a transposed tied weight) as a tensor of its own, since inductor's frozen
+    int8 linear read such a view wrongly (torch 2.13: outputs 120 % off); and any convolution padded "same" or
+    "valid" with that padding as numbers (see _numeric_padding)."""
     def needs_change(module: nn.Module) -> bool:
         return is_gpt_conv1d(module) or (isinstance(module, nn.Linear) and not module.weight.is_contiguous())
 
     names = [n for n, dtype in plan.items() if dtype == "int8" and needs_change(fp32.get_submodule(n))]
-    if not names:
+    padded = [n for n, module in fp32.named_modules() if _numeric_padding(module) is not None]
+    if not names and not padded:
         return fp32
     model = clone(fp32)
     for name in names:
@@ -100,7 +102,24 @@ def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
             model.set_submodule(name, conv1d_as_linear(module))
         else:
             module.weight = nn.Parameter(module.weight.detach().contiguous(), module.weight.requires_grad)
+    for name in padded:
+        module = model.get_submodule(name)
+        module.padding = _numeric_padding(module)
     return model
+
+
+def _numeric_padding(module: nn.Module) -> tuple[int, ...] | None:
+    """For a convolution padded "same" or "valid" with zeros, where that is the same on both sides of each
+    dimension, the padding as numbers: it computes the same, and exports as aten.convNd rather than
+    aten.convNd.padding, which the quantizer's patterns do not match (its annotation then failed for the whole
+    model, whichever modules a plan lowers). None for any other module."""
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or not isinstance(module.padding, str) \
+            or module.padding_mode != "zeros":
+        return None
+    if module.padding == "valid":
+        return (0,) * len(module.kernel_size)
+    total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]   # "same": torch puts any odd one right
+    return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
 
 
 def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
