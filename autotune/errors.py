@@ -22,11 +22,18 @@ class ConfigError(AutotuneError, ValueError):
 
     @classmethod
     def from_validation(cls, exc, model_name: str) -> ConfigError:
-        """From a pydantic ValidationError: one (dotted field path, message) pair per error."""
+        """From a pydantic ValidationError: one (dotted field path, message) pair per error, the message naming the
+        value given where it is a plain one the message does not show; one line for one error."""
         errors = []
         for err in exc.errors():
             path = ".".join(str(part) for part in err["loc"]) or model_name
-            errors.append((path, err["msg"].removeprefix("Value error, ")))
+            message, given = err["msg"].removeprefix("Value error, "), err.get("input")
+            if err["type"] not in ("missing", "extra_forbidden") and isinstance(given, (str, int, float)) \
+                    and str(given) not in message:
+                message += f" (got {given!r})"
+            errors.append((path, message))
+        if len(errors) == 1:
+            return cls(f"invalid {model_name}: {errors[0][0]}: {errors[0][1]}", errors)
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
         return cls(f"invalid {model_name}:\n{lines}", errors)
 

@@ -74,8 +74,21 @@ def test_eval_fn_that_never_calls_the_model_without_example_inputs(storage):
 
 
 def test_unknown_dtype_name_in_a_dict_config(storage):
-    with pytest.raises(ConfigError, match=r"config_set.0.dtype.0: Input should be 'fp32', 'bf16', 'fp16' or 'int8'"):
+    with pytest.raises(ConfigError, match=r"config_set.0.dtype.0: Input should be 'fp32', 'bf16', 'fp16' or 'int8' "
+                                          r"\(got 'int4'\)$"):
         autotune(small_model(), {"config_set": {"dtype": ["int4"]}, "storage": storage}, lambda m: 1.0)
+
+
+def test_one_bad_field_is_one_line_naming_the_value_given_and_several_are_a_line_each():
+    with pytest.raises(ConfigError) as one:
+        MixedPrecisionConfig(dtype=["int4"])
+    assert str(one.value) == ("invalid MixedPrecisionConfig: dtype.0: Input should be 'fp32', 'bf16', 'fp16' or "
+                              "'int8' (got 'int4')")
+    with pytest.raises(ConfigError) as several:
+        TuningConfig(max_trials=0, surprise=1)
+    assert str(several.value).splitlines() == [
+        "invalid TuningConfig:", "  max_trials: Input should be greater than or equal to 1 (got 0)",
+        "  surprise: Extra inputs are not permitted"]
 
 
 def test_model_with_no_tunable_modules(storage):
