@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
-from autotune.backends.quantized import resolve_reduce_range
+from autotune.backends.quantized import explicit_padding, resolve_reduce_range
 from autotune.capture import call
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
@@ -116,10 +116,7 @@ def _numeric_padding(module: nn.Module) -> tuple[int, ...] | None:
     if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or not isinstance(module.padding, str) \
             or module.padding_mode != "zeros":
         return None
-    if module.padding == "valid":
-        return (0,) * len(module.kernel_size)
-    total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]   # "same": torch puts any odd one right
-    return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
+    return explicit_padding(module)
 
 
 def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
