@@ -217,6 +217,32 @@ def test_eight_bit_activations_halve_the_error_on_a_vnni_cpu():
     assert errors[8] < 0.7 * errors[7]
 
 
+def test_a_saved_int8_model_loads_in_a_fresh_process_without_torchs_deprecation_warnings(tmp_path):
+    """torch.load of packed int8 weights rebuilt their int8 tensors through what torch warns is deprecated
+    (TypedStorage, quantized tensor creation): two warnings at every load of a tuned model, asking nothing of the
+    user. Loaded in a process of its own (torch warns of each once a process), with any UserWarning an error."""
+    import subprocess
+    import sys
+
+    from autotune.backends import Int8DynamicLinearConfig, Int8DynamicRNNConfig, Int8StaticConv2dConfig
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(Int8StaticConv2dConfig().lower(nn.Conv2d(3, 4, 3), ((x,), {})), nn.Flatten(1),
+                          nn.Unflatten(1, (4, 36)), Int8DynamicRNNConfig().lower(nn.GRU(36, 6), None))
+    head = Int8DynamicLinearConfig().lower(nn.Linear(6, 5), None)
+    with torch.inference_mode():
+        expected = head(model(x)[0])
+    torch.save({"model": model, "head": head, "x": x, "expected": expected}, tmp_path / "int8.pt")
+    script = ("import sys, torch, autotune\n"
+              "saved = torch.load(sys.argv[1], weights_only=False)\n"
+              "with torch.inference_mode():\n"
+              "    out = saved['head'](saved['model'](saved['x'])[0])\n"
+              "assert torch.equal(out, saved['expected'])\n")
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script, str(tmp_path / "int8.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_saved_int8_model_with_eight_bit_activations_warns_when_loaded_on_a_cpu_where_they_saturate(monkeypatch):
     import warnings
 

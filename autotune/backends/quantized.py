@@ -7,6 +7,7 @@ the error there (README, "Kernel paths", has the measured errors)."""
 from __future__ import annotations
 
 import functools
+import io
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,7 +120,21 @@ class Int8Kernels(nn.Module):
         memo[id(self._packed)] = self._packed
         return copy_module_state(self, memo)
 
+    def __getstate__(self) -> dict:
+        # The packed weights are pickled as the bytes torch.save makes of them: unpickled directly (torch.load of a
+        # model holding this module), torch rebuilt their int8 tensors through APIs it warns are deprecated
+        # (TypedStorage, quantized tensor creation), two warnings on every load that ask nothing of the user.
+        state = dict(super().__getstate__())
+        saved = io.BytesIO()
+        torch.save(self._packed, saved)
+        state["_packed"] = saved.getvalue()
+        return state
+
     def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("_packed"), bytes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                state = {**state, "_packed": torch.load(io.BytesIO(state["_packed"]), weights_only=False)}
         super().__setstate__(state)
         if self.reduce_range is False and not has_avx512_vnni():
             warnings.warn(f"{type(self).__name__}: this int8 model was built with 8-bit activations on a CPU with "
