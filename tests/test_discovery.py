@@ -22,6 +22,16 @@ def test_default_types_are_linear_and_conv_with_fp32_always_added():
     assert all(dtypes == ["int8", "fp32"] for dtypes in found.values())
 
 
+def test_a_decoders_transposed_convolutions_are_tuned_by_default_in_the_dtypes_that_run_them():
+    """A U-Net's or an autoencoder's upsampling is as heavy as its encoder's convolutions; no int8 kernel here
+    computes a transposed convolution, so it is offered the cast dtypes."""
+    from autotune.config.tuning import TuningConfig
+    from autotune.discovery import search_candidates
+    decoder = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ConvTranspose1d(4, 4, 2, stride=2), nn.ConvTranspose2d(4, 2, 3))
+    found = search_candidates(decoder, TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16"])))
+    assert found == {"0": ["int8", "bf16", "fp32"], "1": ["bf16", "fp32"], "2": ["bf16", "fp32"]}
+
+
 def test_include_exclude_globs_and_union_over_configs():
     found = tunable_modules(model(), [MixedPrecisionConfig(dtype=["int8"], include=["*.query", "*.key"],
                                                            exclude=["3.*"]),
