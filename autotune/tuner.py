@@ -124,7 +124,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
-    fp32 = working_copy(model, device)
+    fp32 = _working_copy(model, device)
     candidates = search_candidates(fp32, config)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     weights = studies.weights_signature(fp32)
@@ -168,7 +168,7 @@ class _Setup:
     latency: dict[str, dict[str, float]]
 
 
-def working_copy(model: nn.Module, device: torch.device) -> nn.Module:
+def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """The copy of the user's model that the tuner calls, lowers and returns: in eval mode, since inference is what
     is tuned and timed (a model handed over in training mode is said to be), on `device`."""
     if any(module.training for module in model.modules()):
