@@ -132,6 +132,38 @@ def test_a_compiling_engine_tries_its_knobs_on_its_fastest_finalist_as_compiled(
     assert eager_base.startswith("trial ")   # the eager engine's first finalist: the fastest passing trial
 
 
+class ChannelsLastIsFastest(HalfCostMeasurer):
+    """A finalist with channels_last runs at 0.3 of fp32, any other lowered one at 0.5."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        def ms(name):
+            return 10.0 if name == "fp32" else 3.0 if name.endswith("+channels_last") else 5.0
+        return {name: LatencyStats(ms(name), 0.0, repeats) for name in models}
+
+
+def test_a_finalist_and_its_twin_with_a_knob_that_keeps_every_value_cost_one_eval_fn_call(tmp_path):
+    """channels_last changes a layout, not a value: where the twin with it misses in its re-evaluation, the finalist
+    without it is not evaluated (a MobileNet's int8 finalist and its twin each cost a call to miss by one score)."""
+    from autotune.plan import plan_key, plan_of
+    model, calls = conv_bn(), []
+    score = fidelity(model, X)
+
+    def eval_fn(net):
+        plan = plan_key(plan_of(net, ["0", "4"]))
+        calls.append(plan)
+        lowered = "int8" in plan
+        return score(net) if not lowered or calls.count(plan) == 1 else 0.0   # a plan passes once, then misses
+    config = TuningConfig(engines=["eager"], knobs=["channels_last"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
+                          max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="twins")
+    result = autotune(model, config, eval_fn, X, measurer=ChannelsLastIsFastest(["0", "4"]))
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
+    twin = next(name for name in evaluated if name.endswith(" +channels_last"))
+    assert evaluated[twin].startswith("missed")
+    assert evaluated[twin.removesuffix(" +channels_last")] == f"not evaluated: its model computes what {twin}'s did"
+    assert max(calls.count(plan) for plan in set(calls)) == 2   # a plan's trial, then one re-evaluation at most
+
+
 def test_a_plan_file_naming_an_unknown_knob_is_refused(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"plan": {"0": "fp32"}, "engine": "eager", "knobs": ["turbo"]}))

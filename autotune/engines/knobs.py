@@ -1,6 +1,7 @@
 """Model-level knobs: whole-model changes that may make a plan run faster. They are tried on the finalists,
 beside the engines, and kept only where the re-timing says so; like every finalist, one is re-evaluated before it
-can win (autocast changes the numerics; the others keep them to rounding). Each has the shape of a technique:
+can win: autocast and tf32 change the numerics, fold_bn the weights an int8 module quantises, while
+channels_last and cuda_graphs keep every value to rounding (`keeps_values`). Each has the shape of a technique:
 `supports(model)` says why it does not apply (None: it does), `apply(model)` returns a new model, the given one
 untouched, its module names unchanged (a plan is applied by module name after its knobs)."""
 from __future__ import annotations
@@ -24,6 +25,9 @@ BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class Knob(Protocol):
     name: str
     engines: ClassVar[tuple[str, ...] | None]    # the engines it has an effect in; None: every engine
+    # Whether it leaves every value the model computes as it was, to rounding (a memory layout, a replay of the same
+    # kernels): a finalist with it then scores as the one without it does (verified_winner evaluates one of them).
+    keeps_values: ClassVar[bool]
 
     def supports(self, model: nn.Module) -> str | None:
         """Why this knob does nothing for `model`, or None where it applies."""
@@ -45,6 +49,7 @@ class ChannelsLast:
     """4-d weights and activations in NHWC, the layout oneDNN's convolutions prefer on CPU."""
     name: str = "channels_last"
     engines: ClassVar[tuple[str, ...] | None] = None
+    keeps_values: ClassVar[bool] = True
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "the model has no Conv2d"
@@ -63,6 +68,7 @@ class FoldBatchNorm:
     there the knob cost a compile (7-10 s on a MobileNet) for a finalist that raced no faster."""
     name: str = "fold_bn"
     engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor", "lowp")
+    keeps_values: ClassVar[bool] = False
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, BATCH_NORMS) for m in model.modules()) else "the model has no BatchNorm"
@@ -128,6 +134,7 @@ class Autocast:
     the low dtype, and pt2e realises int8 through export."""
     name: str = "autocast"
     engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor")
+    keeps_values: ClassVar[bool] = False
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
@@ -163,6 +170,7 @@ class TF32:
     it, leaving the fp32 reference and every other model in the process as they were."""
     name: str = "tf32"
     engines: ClassVar[tuple[str, ...] | None] = None
+    keeps_values: ClassVar[bool] = False
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
@@ -189,6 +197,7 @@ class CudaGraphs:
     compile with torch.compile can take it (eager does not compile; pt2e's export drops the mark and is CPU-only)."""
     name: str = "cuda_graphs"
     engines: ClassVar[tuple[str, ...] | None] = ("inductor", "lowp")
+    keeps_values: ClassVar[bool] = True
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)

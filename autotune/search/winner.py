@@ -9,7 +9,7 @@ from torch import nn
 
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.engines import get_engine
+from autotune.engines import KNOBS, get_engine
 from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
@@ -113,8 +113,11 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
 
 def _numerics(finalist: Finalist) -> tuple:
     """Finalists with equal keys score alike, to the rounding compiling changes: their `built` models are one
-    plan with the same knobs built by one build method (the search itself judged plans eagerly)."""
-    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), finalist.knobs
+    plan built by one build method (the search itself judged plans eagerly) with the same knobs, but for knobs that
+    keep every value (channels_last: a MobileNet's int8 finalist and its channels_last twin each cost an eval_fn
+    call to miss by the same score)."""
+    changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values)
+    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing
 
 
 def _fp32_and(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, dict[str, LatencyStats]]:
