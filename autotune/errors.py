@@ -3,10 +3,12 @@ from __future__ import annotations
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:
-    """An exception in one line for a log or a reason: "TypeName: the first line of its message", cut at `limit`
-    (torch's messages run to pages of hints and tracebacks)."""
-    first = (str(exc).strip().splitlines() or [""])[0][:limit]
-    return f"{type(exc).__name__}: {first}"
+    """An exception in one line for a log or a reason: "TypeName: the first line of its message", with the next
+    where the first ends in a colon ("... See:" then a link), cut at `limit` (torch's messages run to pages of hints
+    and tracebacks)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
+    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return f"{type(exc).__name__}: {first[:limit]}"
 
 
 class AutotuneError(Exception):

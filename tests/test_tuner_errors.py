@@ -124,3 +124,13 @@ def test_a_relative_loss_against_a_baseline_of_zero_is_refused_before_any_trial(
                             tolerable_loss=1e-3)
     result = autotune(model, absolute, negative_error)
     assert result.baseline.accuracy == 0.0
+
+
+def test_a_reason_is_one_line_with_the_line_its_first_announces_and_no_traceback():
+    from autotune.errors import describe
+    saving = RuntimeError("Serialization of parametrized modules is only supported through state_dict(). See:\n"
+                          "https://pytorch.org/tutorials/beginner/saving_loading_models.html")
+    assert describe(saving) == ("RuntimeError: Serialization of parametrized modules is only supported through "
+                                "state_dict(). See: https://pytorch.org/tutorials/beginner/saving_loading_models.html")
+    crashed = RuntimeError("kernel crashed\nwhile running the graph:\n  %3 = quantized_linear(...)")
+    assert describe(crashed) == "RuntimeError: kernel crashed" and len(describe(crashed, limit=6)) == 20
