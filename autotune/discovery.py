@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from autotune.backends import get_backend
+from autotune.backends.base import CallInputs
+from autotune.capture import failure_of
 from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
 from autotune.errors import ConfigError, NoTunableModulesError
 
@@ -111,6 +113,29 @@ def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dic
     if not kept:
         raise NoTunableModulesError(f"the forward calls none of the {len(candidates)} tunable modules as a module "
                                     f"(e.g. {skipped[0]!r}): nothing is left to tune")
+    return kept
+
+
+def runnable_alone(model: nn.Module, candidates: dict[str, list[str]],
+                   calibration: dict[str, CallInputs]) -> dict[str, list[str]]:
+    """The candidates that run when called alone on what the forward called them with. One whose call depends on
+    what the forward sets around it (inside `torch.autocast` it is given bf16 inputs for fp32 weights) can be
+    neither timed nor lowered alone, and its precision is the forward's own choice: it stays as it is.
+
+    Raises:
+        NoTunableModulesError: none of the candidates runs alone.
+    """
+    failing = {name: reason for name in candidates
+               if (reason := failure_of(model.get_submodule(name), calibration[name]))}
+    if failing:
+        name, reason = next(iter(failing.items()))
+        log.info("%d tunable modules fail when called alone on their inputs (e.g. under the forward's torch.autocast), "
+                 "so they stay as they are: %s (%s)%s", len(failing), name, reason,
+                 f" and {len(failing) - 1} more" if len(failing) > 1 else "")
+    kept = {name: dtypes for name, dtypes in candidates.items() if name not in failing}
+    if not kept:
+        raise NoTunableModulesError(f"each of the {len(candidates)} modules the forward calls fails when called "
+                                    f"alone on its inputs (e.g. {name}: {reason}): nothing is left to tune")
     return kept
 
 

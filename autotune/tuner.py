@@ -22,7 +22,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.discovery import called_candidates, module_groups, search_candidates
+from autotune.discovery import called_candidates, module_groups, runnable_alone, search_candidates
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
@@ -200,7 +200,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
-    candidates = called_candidates(candidates, set(calibration))
+    candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
     shapes = latency_shapes(config, batches[0], torch.device(config.device), fp32)
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)

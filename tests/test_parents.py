@@ -91,3 +91,26 @@ def test_a_scripted_submodule_is_run_as_it_is_and_the_modules_around_it_are_tune
     result, fidelity = tune(model, storage, ["int8", "fp32"])
     assert set(result.plan) == {"wi", "wo"} and "int8" in result.plan.values()
     assert isinstance(result.model.inner, torch.jit.ScriptModule) and fidelity(result.model) >= 0.95
+
+
+class AutocastsABlock(nn.Module):
+    """Runs its middle block under torch.autocast: that block's second Linear is given bf16 inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi, self.mid, self.wo = nn.Linear(64, 128), nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)), \
+            nn.Linear(128, 64)
+
+    def forward(self, x):
+        x = torch.relu(self.wi(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.mid(x)
+        return self.wo(x.float())
+
+
+def test_modules_the_forward_runs_under_autocast_stay_as_they_are_and_the_others_are_tuned(storage, caplog):
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result, fidelity = tune(AutocastsABlock(), storage, ["int8", "fp32"])
+    assert "fail when called alone on their inputs" in caplog.text and "mid.1" in caplog.text
+    assert "mid.1" not in result.plan and {"wi", "wo"} <= set(result.plan) and "int8" in result.plan.values()
+    assert fidelity(result.model) >= 0.95
