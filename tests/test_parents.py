@@ -109,8 +109,12 @@ class AutocastsABlock(nn.Module):
 
 
 def test_modules_the_forward_runs_under_autocast_stay_as_they_are_and_the_others_are_tuned(storage, caplog):
+    model = AutocastsABlock()
     with caplog.at_level(logging.INFO, logger="autotune"):
-        result, fidelity = tune(AutocastsABlock(), storage, ["int8", "fp32"])
+        result, fidelity = tune(model, storage, ["int8", "fp32"])
     assert "fail when called alone on their inputs" in caplog.text and "mid.1" in caplog.text
     assert "mid.1" not in result.plan and {"wi", "wo"} <= set(result.plan) and "int8" in result.plan.values()
     assert fidelity(result.model) >= 0.95
+    timed = autotune(model, TuningConfig(engines=["eager"], max_trials=2, repeats=3, storage=storage,
+                                         study_name="timed"), fidelity, example_inputs=X)
+    assert "mid.1" not in timed.plan    # the signals time each module alone: it failed there, ending the run
