@@ -22,7 +22,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.discovery import called_candidates, module_groups, runnable_alone, search_candidates
+from autotune.discovery import called_candidates, module_groups, runnable_alone, search_candidates, uncompiled
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
@@ -49,7 +49,7 @@ def study_name_for(model: nn.Module, config: TuningConfig, candidates: dict[str,
     of those that holds the model's weights: studies.study_name_for_weights)."""
     if config.study_name:
         return config.study_name
-    model = _uncompiled(model)
+    model = uncompiled(model)
     name = studies.default_study_name(
         type(model).__name__, candidates if candidates is not None else search_candidates(model, config), config)
     if storage is None:
@@ -125,9 +125,9 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     if not callable(eval_fn):
         raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
     device = torch.device(config.device)
-    if (inner := _uncompiled(model)) is not model:
-        log.info("the model is compiled with torch.compile: the module it compiles is tuned, and the compiling "
-                 "engines compile the finalists")
+    if (inner := uncompiled(model)) is not model:
+        log.info("the model holds torch.compile wrappers: the modules they compile are tuned (module names without "
+                 "their _orig_mod), and the compiling engines compile the finalists")
         model = inner
     fp32 = _working_copy(model, device)
     candidates = search_candidates(fp32, config)
@@ -171,14 +171,6 @@ class _Setup:
     shapes: list[Shape]
     sensitivity: dict[str, dict[str, float]]
     latency: dict[str, dict[str, float]]
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """The module a `torch.compile(model)` wrapper compiles (its one child, `_orig_mod`), or `model` itself. Trials
-    run eagerly and the compiling engines compile the finalists: handed the wrapper, dynamo traced every call of
-    the signals' hooks, and a 3-Linear model's tuning grew past 6 GB in a minute."""
-    inner = dict(model.named_children()).get("_orig_mod")
-    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else model
 
 
 def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:

@@ -30,7 +30,7 @@ from autotune.cli.base import (
 )
 from autotune.clone import clone
 from autotune.config import FileConfig, TuningConfig, load_config
-from autotune.discovery import search_candidates
+from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
 from autotune.plan import Plan, plan_id, summarize, validate_plan
@@ -263,7 +263,7 @@ class AppliedPlan:
 def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     """The config's model with the plan file's plan realised in its recorded engine."""
     plan, engine, knobs = read_plan(plan_path)
-    model = config.build_model().eval().to(torch.device(config.tuning.device))
+    model = uncompiled(config.build_model()).eval().to(torch.device(config.tuning.device))
     try:
         validate_plan(plan, search_candidates(model, config.tuning))
     except PlanError as exc:
