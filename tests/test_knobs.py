@@ -240,6 +240,21 @@ def test_a_scoped_knob_leaves_its_setting_off_even_when_the_forward_raises():
     assert linear_dtype(model, V) == torch.bfloat16             # and the model still works
 
 
+def test_a_scoped_knob_behind_a_users_pre_hook_that_raises_lets_the_users_error_through_alone():
+    """The user's pre-hook runs before the knob's: where it raises, the knob entered nothing and leaves nothing
+    (its leaving hook runs anyway, and raised IndexError, which torch turned into a warning on every such call)."""
+    import warnings
+
+    user = tower()
+    user.register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(ValueError("user's own check")))
+    model = KNOBS["autocast"].apply(user)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="user's own check"):
+        warnings.simplefilter("always")
+        model(V)
+    assert not [w for w in caught if "raised an exception that was silenced" in str(w.message)]
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_tf32_is_on_inside_the_model_only_and_restored_after_a_call_or_a_raise():
     seen = []
     model = KNOBS["tf32"].apply(tower())                        # apply runs anywhere; supports decides where tried

@@ -101,7 +101,8 @@ def _enter(enter: Callable[[], Any], tokens: list, module: nn.Module, args: tupl
 
 @torch.compiler.disable
 def _leave(leave: Callable[[Any], None], tokens: list, module: nn.Module, args: tuple, output: Any) -> None:
-    leave(tokens.pop())
+    if tokens:   # none where a pre-hook before `_enter` raised (a user's, or dynamo's guard in it): nothing to leave
+        leave(tokens.pop())
 
 
 def around_forward(model: nn.Module, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
