@@ -149,8 +149,8 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, candidates, config, measurer)
     candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
-    log.info("%d tunable modules in %d units; %d combinations after pruning", len(candidates), len(space.choices),
-             space.size)
+    log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
+             f"{space.size:,}" if space.size < 10 ** 15 else f"about 10^{len(str(space.size)) - 1}")
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
                          config, measurer, callbacks, setup.batches, setup.shapes)
     runner.eval_calls = setup.eval_calls

@@ -123,7 +123,8 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     if failed:
         raise CliError(f"{len(failed)} of {workers - 1} worker processes failed (exit codes {failed}); every "
                        "finished trial is kept: run the same command again to resume")
-    click.echo(f"search stopped: {stopped}")
+    if not verbose:   # with -v the tuner's log has said it
+        click.echo(f"search stopped: {stopped}")
     result = finish(runner, started)
     click.echo(result.summary())
     click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
