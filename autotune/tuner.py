@@ -241,7 +241,7 @@ def _warn_if_uncertain(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
-        winner = verified_winner(runner)
+        winner = verified_winner(runner, started + runner.config.timeout if runner.config.timeout else None)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
     _warn_if_uncertain(winner.by_shape)
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],

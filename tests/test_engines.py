@@ -554,6 +554,22 @@ def test_a_uniform_plan_whose_own_trial_missed_by_far_is_built_in_no_engine(tmp_
     assert ("uniform int8 is not a finalist: its trial lost 5.0 tolerances" in caplog.text) is not finalist
 
 
+def test_past_the_runs_timeout_no_compiling_engine_builds_another_finalist(tmp_path, caplog):
+    """`timeout` stopped new trials only: on a model of 600 Linears the finalists' compiles then ran past 15 minutes.
+    Past it the eager engine's finalists, which compile nothing, are still built and raced; no compiling engine's."""
+    model, x = mlp(), batches(1)[0][0][0]
+    settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=0.001)
+    with caplog.at_level("WARNING", logger="autotune"):
+        result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
+    built = result.study.user_attrs["autotune.finalist_setup_s"]
+    assert built and not any("(" in name for name in built)      # eager finalists only
+    dropped = result.study.user_attrs["autotune.engines_dropped"]
+    reason = "the run's timeout passed before its finalists were built"
+    assert dropped == {"compiled": reason, "inductor": reason}
+    assert "the run's timeout has passed: the compiled engine's finalists are not built" in caplog.text
+    assert result.engine == "eager"
+
+
 class Int8FastestInContext(HalfCostMeasurer):
     """Module costs that rank bf16 ahead of int8 on every module; whole-model timings in which the uniform int8
     plan runs fastest (what modules timed alone miss of their neighbours)."""

@@ -115,10 +115,12 @@ def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, floa
     return f"its modules took {ratio:.1f}x their fp32 time in {dtype}, eagerly" if ratio >= HOPELESS_RATIO else None
 
 
-def finalists(runner: TrialRunner) -> dict[str, Finalist]:
+def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, Finalist]:
     """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
-    with its reason logged and kept on the study (`engines_dropped`: {engine: reason})."""
+    with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
+    `timeout`, time.monotonic()) a compiling engine builds no further finalist: compiles take minutes on a model of
+    hundreds of modules, and the eager engine's finalists, which compile nothing, are built first."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     compiling = any(engine != "eager" for engine in runner.config.engines)
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
@@ -133,14 +135,19 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
+        if suffix and _past(deadline):
+            log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine_name)
+            dropped[engine_name] = "the run's timeout passed before its finalists were built"
+            studies.set_attr(runner.study, "engines_dropped", dropped)
+            continue
         plans = finalist_plans(runner, engine, uniform)
         if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
-            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache), runner.shapes)
+            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, deadline), runner.shapes)
             found.update(built)
             engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
-            if engine_knobs and built:
+            if engine_knobs and built and not (suffix and _past(deadline)):
                 found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
                                          failed_knobs))
         except EngineUnavailable as exc:
@@ -154,18 +161,23 @@ def finalists(runner: TrialRunner) -> dict[str, Finalist]:
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
-              cache: CompileCache) -> dict[str, Finalist]:
+              cache: CompileCache, deadline: float | None = None) -> dict[str, Finalist]:
     """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
     out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
-    ENGINE_TRIES failures or all of them, the engine cannot run this model.
+    ENGINE_TRIES failures or all of them, the engine cannot run this model. A compiling engine (`suffix`) that has
+    built one stops past `deadline`.
 
     Raises:
         EngineUnavailable: the first failure's reason, when the engine is given up.
     """
     built: dict[str, Finalist] = {}
     failures: list[tuple[str, EngineUnavailable]] = []
-    for name, plan in plans.items():
+    for count, (name, plan) in enumerate(plans.items()):
         if not built and len(failures) == ENGINE_TRIES:
+            break
+        if suffix and built and _past(deadline):
+            log.warning("the run's timeout has passed: %d more finalists of the %s engine are not built",
+                        len(plans) - count, engine.name)
             break
         try:
             built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
@@ -176,6 +188,10 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
     for name, exc in failures:
         log.warning("%s is left out: %s", name, exc)
     return built
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]

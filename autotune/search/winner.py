@@ -39,11 +39,11 @@ class Winner:
     name: str = "fp32"                             # its finalist's name ("trial 12 (inductor) +fold_bn")
 
 
-def verified_winner(runner: TrialRunner) -> Winner:
+def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winner:
     """Re-times the finalists interleaved with fp32 and re-evaluates the fastest; the first that passes is timed
     once more for the figures reported. fp32 if none holds."""
     config = runner.config
-    candidates = finalists(runner)
+    candidates = finalists(runner, deadline)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
     by_shape, ratio = race(runner, models, config.repeats)
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
