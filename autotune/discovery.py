@@ -33,23 +33,27 @@ def uncompiled(model: nn.Module) -> nn.Module:
     by the module it compiles (its one child, `_orig_mod`): a copy where one is, else `model` itself. Trials run
     eagerly and the compiling engines compile the finalists; handed wrappers, dynamo traced every hooked call of
     the signals, and a three-Linear model's tuning grew past 6 GB of memory within a minute."""
-    def inner(module: nn.Module) -> nn.Module | None:
-        wrapped = dict(module.named_children()).get("_orig_mod")
-        return wrapped if type(module).__name__ == "OptimizedModule" and isinstance(wrapped, nn.Module) else None
+    def wrapped(module: nn.Module) -> nn.Module | None:
+        inner = dict(module.named_children()).get("_orig_mod")
+        return inner if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else None
 
-    if (top := inner(model)) is not None:
-        return uncompiled(top)
-    wrappers = [name for name, module in model.named_modules() if name and inner(module) is not None]
-    if not wrappers:
+    def unwrapped(module: nn.Module) -> nn.Module:
+        while (inner := wrapped(module)) is not None:
+            module = inner
+        return module
+
+    def replace_below(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if (inner := unwrapped(child)) is not child:
+                parent.set_submodule(name, inner)
+            replace_below(inner)
+
+    model = unwrapped(model)
+    if all(wrapped(module) is None for module in model.modules()):
         return model
     copied = clone(model)
-    for name in wrappers:
-        try:
-            wrapper = copied.get_submodule(name)
-        except AttributeError:   # inside a wrapper replaced above (its name holds `_orig_mod`): the next pass
-            continue
-        copied.set_submodule(name, inner(wrapper))
-    return uncompiled(copied)
+    replace_below(copied)
+    return copied
 
 
 def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) -> dict[str, list[str]]:
