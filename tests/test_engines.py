@@ -482,6 +482,38 @@ def test_the_compiled_engine_takes_keyword_inputs_whose_batch_and_length_vary():
         assert torch.allclose(built(**single[1]), model(**single[1]), atol=0.05)
 
 
+class Pooled(nn.Module):
+    """An image model whose code computes with the spatial size, as windowed attention does (export then reasons
+    about every size it is told is free)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+    def forward(self, x):
+        pad = (-x.shape[-1]) % 4
+        return self.head(torch.relu(self.conv(nn.functional.pad(x, (0, pad, 0, pad)))).mean((2, 3)))
+
+
+def test_the_compiled_engine_fixes_an_image_size_the_captured_batches_share_and_frees_one_they_do_not():
+    """A deployment keeps its image size: spatial sizes left free cost export minutes on a Swin. Any batch size is
+    taken either way, and an image size that changed among the captured batches stays free."""
+    model = Pooled().eval()
+    same = [((torch.randn(n, 3, 16, 16),), {}) for n in (8, 8, 5)]
+    built = CompiledEngine().build(model, {"conv": "int8", "head": "int8"}, Calibration(same, {}))
+    with torch.no_grad():
+        assert torch.allclose(built(torch.ones(3, 3, 16, 16)), model(torch.ones(3, 3, 16, 16)), atol=0.05)
+        with pytest.raises(Exception, match="16"):   # the graph's guard names the size it was exported for
+            built(torch.ones(3, 3, 13, 13))
+    differing = [((torch.randn(8, 3, size, size),), {}) for size in (16, 13)]
+    built = CompiledEngine().build(model, {"conv": "int8", "head": "int8"}, Calibration(differing, {}))
+    with torch.no_grad():
+        for size in (16, 13, 22):
+            x = torch.ones(2, 3, size, size)
+            assert torch.allclose(built(x), model(x), atol=0.05), size
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import logging
 import sys
 import warnings
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autotune.backends.base import CallInputs
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import explicit_padding, resolve_reduce_range
 from autotune.capture import call
@@ -23,7 +25,7 @@ from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.plan import Plan
-from autotune.tree import map_tensors
+from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")
 
@@ -31,19 +33,47 @@ REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
 
 
-def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Every dimension of every input tensor left for export to decide (Dim.AUTO: dynamic where the model allows
-    it): batches differ in size and, for sequence models, in length. Not those of size 0 or 1, which export
-    specialises whatever it is told (and warns of each). By parameter name, as export needs for keyword inputs;
-    None for what is not a tensor (a float or flag argument)."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return map_tensors(dict(bound), lambda t: {i: torch.export.Dim.AUTO for i, n in enumerate(t.shape) if n > 1}
-                       or None, lambda other: None)
+def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict, batches: list[CallInputs] | None = None) -> dict:
+    """The dimensions of the input tensors left for export to decide (Dim.AUTO: dynamic where the model allows it),
+    by parameter name as export needs for keyword inputs; None for what is not a tensor (a float or flag argument).
+
+    Without `batches`, every dimension: batches differ in size and, for sequence models, in length. With the captured
+    `batches` (the first export of a user's model), an input of up to three dimensions (batch, sequence, features)
+    keeps every one free, but a larger one (images, video: N, C, H, W) only its batch and any other dimension that
+    differs among `batches`: a deployment keeps its image size, and spatial sizes left free cost export minutes on a
+    model that computes with them (a windowed-attention Swin: 160 s where its batch alone took 2 s). A graph exported
+    once asserts the sizes it fixed, so exporting it again frees no more than that. Never dimensions of size 0 or 1,
+    which export specialises whatever it is told (and warns of each)."""
+    def bound(call_args: tuple, call_kwargs: dict) -> dict:
+        return dict(inspect.signature(model.forward).bind(*call_args, **call_kwargs).arguments)
+
+    varying = _varying_dimensions([tensors(bound(*batch)) for batch in batches or []])
+    if varying is None:   # the batches differ in what they pass: no telling which sizes stay
+        batches = None
+    position = itertools.count()    # map_tensors visits the tensors in the order `tensors` lists them
+
+    def free(t: torch.Tensor) -> dict | None:
+        index = next(position)
+        dims = [i for i, n in enumerate(t.shape) if n > 1 and (batches is None or t.dim() <= 3 or i == 0
+                                                                 or i in varying.get(index, ()))]
+        return {i: torch.export.Dim.AUTO for i in dims} or None
+
+    return map_tensors(bound(args, kwargs), free, lambda other: None)
 
 
-def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.ExportedProgram:
-    """`model` exported on `inputs` with free batch (and other) dimensions; traced in Python (`strict=False`,
-    what transformers' models need) unless `strict` (TorchDynamo).
+def _varying_dimensions(batches: list[list[torch.Tensor]]) -> dict[int, set[int]] | None:
+    """{tensor position: the dimensions whose size differs among `batches`} (each a list of its input tensors); None
+    where the batches differ in their number of tensors or a tensor's number of dimensions."""
+    if len({tuple(t.dim() for t in batch) for batch in batches}) > 1:
+        return None
+    return {index: {i for i in range(same[0].dim()) if len({t.shape[i] for t in same}) > 1}
+            for index, same in enumerate(zip(*batches))}
+
+
+def export(model: nn.Module, inputs, strict: bool = False,
+           batches: list[CallInputs] | None = None) -> torch.export.ExportedProgram:
+    """`model` exported on `inputs` with free batch (and other) dimensions (_free_dimensions, which reads `batches`);
+    traced in Python (`strict=False`, what transformers' models need) unless `strict` (TorchDynamo).
 
     Raises:
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
@@ -53,7 +83,7 @@ def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.Expor
     try:
         with contextlib.redirect_stderr(printed):
             exported = torch.export.export(model, args, kwargs, strict=strict,
-                                           dynamic_shapes=_free_dimensions(model, args, kwargs))
+                                           dynamic_shapes=_free_dimensions(model, args, kwargs, batches))
     except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
         log.debug("torch.export printed before it failed:\n%s", printed.getvalue())
         raise EngineUnavailable(f"torch.export failed: {describe(exc)}") from exc
@@ -61,23 +91,23 @@ def export(model: nn.Module, inputs, strict: bool = False) -> torch.export.Expor
     return exported
 
 
-def _prepared(fp32: nn.Module, inputs, quantizer) -> nn.Module:
-    """The model exported and prepared for calibration. A graph traced in Python does not tell one call of a module
-    from another, so a module called twice (one nn.ReLU after both convolutions of a ResNet block, as torchvision's
-    are) becomes one partition with two outputs, which the quantizer rejects; TorchDynamo's graph names each
-    call, so that is tried where the first fails.
+def _prepared(fp32: nn.Module, batches: list[CallInputs], quantizer) -> nn.Module:
+    """The model exported on the first of `batches` and prepared for calibration. A graph traced in Python does not
+    tell one call of a module from another, so a module called twice (one nn.ReLU after both convolutions of a ResNet
+    block, as torchvision's are) becomes one partition with two outputs, which the quantizer rejects; TorchDynamo's
+    graph names each call, so that is tried where the first fails.
 
     Raises:
         EngineUnavailable: the model cannot be exported, or neither graph annotated; the first failure's reason.
     """
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-    traced = export(fp32, inputs)
+    traced = export(fp32, batches[0], batches=batches)
     try:
         return prepare_pt2e(traced.module(), quantizer)
     except Exception as exc:   # torchao raises many kinds for graphs its patterns do not fit
         first = EngineUnavailable(f"torchao's X86InductorQuantizer cannot annotate the model: {describe(exc)}")
     try:
-        return prepare_pt2e(export(fp32, inputs, strict=True).module(), quantizer)
+        return prepare_pt2e(export(fp32, batches[0], strict=True, batches=batches).module(), quantizer)
     except Exception:
         raise first from None
 
@@ -168,7 +198,7 @@ class CompiledEngine:
                 quantizer.set_module_name_qconfig(name, None)
         with warnings.catch_warnings(), library_notes_dropped():
             warnings.simplefilter("ignore")      # torchao warns of APIs it will change, on every call
-            prepared = _prepared(fp32, calibration.batches[0], quantizer)
+            prepared = _prepared(fp32, calibration.batches, quantizer)
             with torch.no_grad():
                 for batch in calibration.batches:
                     call(prepared, batch)
