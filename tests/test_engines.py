@@ -1022,3 +1022,27 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
     with pytest.raises(RuntimeError, match="recompile"), torch.inference_mode(), \
             torch.compiler.set_stance("fail_on_recompile"):
         unsettled.runnable(x)   # what the race met before
+
+
+def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_path, monkeypatch):
+    """Compiling finalists can take minutes after "search stopped": without a word the run looks stuck."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef model():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()\n\n\n"
+        "def inputs():\n    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))\n\n\n"
+        "def score():\n    return lambda m: float(m(inputs()).isfinite().all())\n")
+    outputs = {}
+    for flags in ([], ["-v"]):
+        config = tmp_path / f"c{len(flags)}.yaml"
+        config.write_text(yaml.safe_dump({
+            "model": {"factory": "tiny:model"}, "evaluation": {"eval_fn": "tiny:score"},
+            "example_inputs": {"factory": "tiny:inputs"},
+            "tuning": {"storage": f"sqlite:///{tmp_path}/t{len(flags)}.db", "engines": ["eager", "inductor"],
+                       "config_set": {"dtype": ["bf16", "fp32"]}, "max_trials": 2, "repeats": 3, "knobs": []}}))
+        result = CliRunner().invoke(main, ["tune", str(config), *flags])
+        assert result.exit_code == 0, result.output
+        outputs[bool(flags)] = result.output
+    assert "finalists: compiling the best plans in inductor" in outputs[False]
+    assert "built and compiled in" not in outputs[False]
+    assert re.search(r"finalist fp32 \(inductor\) built and compiled in \d+\.\d s", outputs[True]), outputs[True]

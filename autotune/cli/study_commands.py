@@ -53,21 +53,30 @@ def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str,
 
 
 @contextmanager
+def tuner_log(verbose: bool) -> Iterator[None]:
+    """With `verbose`, the tuner's log lines (every trial, each finalist compiled) on stderr while the block runs."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("autotune")
+    level = logger.level
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextmanager
 def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallback]]:
-    """Trial callbacks showing progress: a bar with ETA over evaluated trials, or with `verbose` the tuner's log
-    lines instead."""
+    """Trial callbacks showing progress: a bar with ETA over evaluated trials; none with `verbose`, where the
+    tuner's log lines (tuner_log) say it."""
     if verbose:
-        logger = logging.getLogger("autotune")
-        level = logger.level
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        try:
-            yield []
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
+        yield []
         return
     # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
     label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
@@ -110,22 +119,26 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
                "--study-name", name]
     helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
-    try:
-        with progress(tuning.max_trials, done, verbose) as callbacks:
-            runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(),
-                                  callbacks=[*callbacks, interrupts.stop_if_received])
-            stopped = search(runner, started)
-        failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
-    finally:
-        for helper in helpers:
-            if helper.poll() is None:
-                helper.kill()
-    if failed:
-        raise CliError(f"{len(failed)} of {workers - 1} worker processes failed (exit codes {failed}); every "
-                       "finished trial is kept: run the same command again to resume")
-    if not verbose:   # with -v the tuner's log has said it
-        click.echo(f"search stopped: {stopped}")
-    result = finish(runner, started)
+    with tuner_log(verbose):
+        try:
+            with progress(tuning.max_trials, done, verbose) as callbacks:
+                runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(),
+                                      callbacks=[*callbacks, interrupts.stop_if_received])
+                stopped = search(runner, started)
+            failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
+        finally:
+            for helper in helpers:
+                if helper.poll() is None:
+                    helper.kill()
+        if failed:
+            raise CliError(f"{len(failed)} of {workers - 1} worker processes failed (exit codes {failed}); every "
+                           "finished trial is kept: run the same command again to resume")
+        if not verbose:   # with -v the tuner's log says it, and each finalist as it is compiled
+            click.echo(f"search stopped: {stopped}")
+            if compiling := [engine for engine in tuning.engines if engine != "eager"]:
+                click.echo(f"finalists: compiling the best plans in {', '.join(compiling)} (seconds to minutes a "
+                           "plan; -v names each), then timing them together")
+        result = finish(runner, started)
     click.echo(result.summary())
     click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
 

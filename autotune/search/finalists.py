@@ -181,6 +181,7 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
             break
         try:
             built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
+            _say_ready(name + suffix, built[name + suffix])
         except EngineUnavailable as exc:
             failures.append((name + suffix, exc))
     if failures and not built:
@@ -246,7 +247,9 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
         calibration = Calibration(runner.batches, runner.calibration)
         try:
-            found[f"{base[0]} +{knob.name}"] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
+            name = f"{base[0]} +{knob.name}"
+            found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
+            _say_ready(name, found[name])
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
             level = logging.INFO if knob.name in failed else logging.WARNING
             log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
@@ -279,6 +282,12 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
         raise EngineUnavailable(f"{engine.name}: the first call failed: {describe(exc)}") from exc
     return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
+
+
+def _say_ready(name: str, finalist: Finalist) -> None:
+    # Compiling a finalist takes seconds to minutes: a run that says nothing meanwhile looks stuck.
+    if finalist.runnable is not finalist.built:
+        log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
 
 
 def _settled(found: dict[str, Finalist], shapes: list[Shape]) -> dict[str, Finalist]:
