@@ -981,6 +981,47 @@ def test_a_compiled_engine_model_loads_in_a_process_that_never_quantised(tmp_pat
     assert done.returncode == 0 and "loaded both" in done.stdout, done.stderr[-3000:]
 
 
+DECODER_LOADED_ELSEWHERE = """
+import sys, torch
+folder = sys.argv[1]
+ids, expected = torch.load(f"{folder}/io.pt")
+with torch.inference_mode():
+    out = torch.load(f"{folder}/model.pt", weights_only=False)(input_ids=ids)
+assert type(out).__name__ == "CausalLMOutputWithPast", type(out)
+assert torch.allclose(out.logits, expected, atol=1e-4), (out.logits - expected).abs().max()
+print("loaded")
+"""
+
+
+def test_a_transformers_decoder_returning_its_kv_cache_goes_through_the_compiled_engine_and_loads_elsewhere(
+        tmp_path):
+    """A decoder called as users call it returns its DynamicCache, a type torch's pytree does not know: export
+    failed on it and the compiled engine was dropped for every LLaMA-style model. transformers' cache classes are
+    registered as its own exporter registers them, and a process loading the saved model, which has not imported
+    transformers, imports what the output needs."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4)).eval()
+    ids = [torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(n)) for n in range(2)]
+    plan = {name: "int8" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    built = realise(model, plan, "compiled", Calibration([((), {"input_ids": i}) for i in ids], {}))
+    runnable = CompiledEngine().runnable(built)
+    with torch.inference_mode():
+        out, reference = runnable(input_ids=ids[0]), model(input_ids=ids[0])
+    assert type(out) is type(reference) and len(out.past_key_values) == 2
+    assert (out.logits - reference.logits).norm() < 0.1 * reference.logits.norm()
+    torch.save(runnable, tmp_path / "model.pt")
+    torch.save((ids[0], out.logits), tmp_path / "io.pt")
+    done = subprocess.run([sys.executable, "-c", DECODER_LOADED_ELSEWHERE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    assert_no_library_notes(done.stderr)
+
+
 class SecondCallDiffers(nn.Module):
     """Runs other code from its second call on, so compiled it compiles again there: as dynamo did on a MobileNet
     whose blocks, one class at several widths, ran past a graph break."""

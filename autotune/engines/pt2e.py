@@ -4,6 +4,7 @@ quantizer, and inductor compiles the result so that quantise / dequantise pairs 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import io
 import itertools
@@ -79,6 +80,7 @@ def export(model: nn.Module, inputs, strict: bool = False,
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
     """
     args, kwargs = inputs
+    output_types_registered(model)
     printed = io.StringIO()    # a failing export prints the graph traced so far: kept for --debug, said if it succeeds
     try:
         with contextlib.redirect_stderr(printed):
@@ -217,6 +219,7 @@ class CompiledEngine:
 
     def load(self, path: str) -> nn.Module:
         quantised_ops_registered()
+        output_types_registered()
         with open(path, "rb") as saved:
             return torch.export.load(saved).module()
 
@@ -231,6 +234,14 @@ class SavedAsExported(FrozenCompiled):
         with library_notes_dropped():   # torchao's import gives some
             from torchao.quantization.pt2e.inductor_passes.x86 import quant_lift_up
         super().__init__(built, options={"pre_grad_custom_pass": quant_lift_up})
+        self.output_modules: list[str] = []   # where the classes of its first output are defined
+
+    def forward(self, *args, **kwargs):
+        first = self.example is None
+        output = super().forward(*args, **kwargs)
+        if first:
+            self.output_modules = sorted(_defining_modules(output))
+        return output
 
     def __reduce__(self):
         if self.example is None:
@@ -238,7 +249,16 @@ class SavedAsExported(FrozenCompiled):
                             "inputs shaped as its first call's")
         exported = io.BytesIO()
         _write_exported(self.built[0], self.example, exported)
-        return _loaded, (exported.getvalue(), self.example)
+        return _loaded, (exported.getvalue(), self.example, self.output_modules)
+
+
+def _defining_modules(output) -> set[str]:
+    """The modules defining the containers in a model's `output` (transformers' ModelOutput and cache classes): a
+    process loading the graph imports them, so that they are registered as pytree nodes, as they were here."""
+    if isinstance(output, (torch.Tensor, int, float, bool, str, type(None))):
+        return set()
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    return {type(output).__module__, *(name for item in items for name in _defining_modules(item))} - {"builtins"}
 
 
 def _write_exported(built: nn.Module, inputs, out) -> None:
@@ -263,8 +283,39 @@ def quantised_ops_registered() -> None:
         import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
 
 
-def _loaded(exported: bytes, example) -> SavedAsExported:
+def output_types_registered(model: nn.Module | None = None) -> None:
+    """transformers' cache classes (a decoder's DynamicCache, T5's EncoderDecoderCache) known to torch's pytree, as
+    transformers' own exporter registers them: export fails on a model returning one (\"Found DynamicCache in output,
+    which is not a known type\"), and loading fails on a graph that returns one, unless they are. With `model`, its
+    transformers models' own cache classes too. Only where transformers is imported already (loading a graph, and a
+    model of transformers, import it), and only with a transformers that has its exporters (5.x)."""
+    if "transformers" not in sys.modules:
+        return
+    try:
+        with library_notes_dropped():   # its import can import torchao, which gives some
+            from transformers.cache_utils import Cache
+            from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model, register_pytree_node
+    except ImportError:
+        return
+    pending = [Cache]
+    while pending:
+        for cls in pending.pop().__subclasses__():
+            register_pytree_node(cls)
+            pending.append(cls)
+    seen: set[str] = set()
+    for module in model.modules() if model is not None else ():
+        where = type(module).__module__
+        if where.startswith("transformers.") and where not in seen:
+            seen.add(where)
+            register_cache_pytrees_for_model(module)   # the cache classes its modeling file defines
+
+
+def _loaded(exported: bytes, example, output_modules: list[str] = ()) -> SavedAsExported:
     quantised_ops_registered()
+    with library_notes_dropped():   # transformers' import can import torchao, which gives some
+        for name in output_modules:
+            importlib.import_module(name)
+    output_types_registered()
     runnable = SavedAsExported(torch.export.load(io.BytesIO(exported)).module())
     runnable.example = example
     return runnable
