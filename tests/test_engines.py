@@ -514,6 +514,31 @@ def test_the_compiled_engine_fixes_an_image_size_the_captured_batches_share_and_
             assert torch.allclose(built(x), model(x), atol=0.05), size
 
 
+class RelativePositions(nn.Module):
+    """Relative-position arithmetic as DeBERTa's: a float multiplied by an int64 `sign`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[-1], device=x.device)
+        relative = positions[:, None] - positions[None, :]
+        return self.proj(x) + (torch.log1p(relative.abs().float()) * torch.sign(relative)).mean(0)
+
+
+def test_the_compiled_engine_leaves_integer_tensors_the_quantizer_would_observe_unquantised():
+    """torchao's quantizer annotates a multiplication's int64 input too; its calibration failed ("histogram_cpu" not
+    implemented for 'Long') and the compiled engine was dropped for every DeBERTa."""
+    model, calibration = RelativePositions().eval(), [((torch.randn(n, 8),), {}) for n in (4, 6)]
+    built = CompiledEngine().build(model, {"proj": "int8"}, Calibration(calibration, {}))
+    x = calibration[0][0][0]
+    with torch.no_grad():
+        reference = model(x)
+        assert (built(x) - reference).norm() < 0.05 * reference.norm()
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

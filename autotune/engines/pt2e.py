@@ -105,13 +105,30 @@ def _prepared(fp32: nn.Module, batches: list[CallInputs], quantizer) -> nn.Modul
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
     traced = export(fp32, batches[0], batches=batches)
     try:
-        return prepare_pt2e(traced.module(), quantizer)
+        return _integers_unobserved(prepare_pt2e(traced.module(), quantizer))
     except Exception as exc:   # torchao raises many kinds for graphs its patterns do not fit
         first = EngineUnavailable(f"torchao's X86InductorQuantizer cannot annotate the model: {describe(exc)}")
     try:
-        return prepare_pt2e(export(fp32, batches[0], strict=True, batches=batches).module(), quantizer)
+        return _integers_unobserved(prepare_pt2e(export(fp32, batches[0], strict=True, batches=batches).module(),
+                                                 quantizer))
     except Exception:
         raise first from None
+
+
+def _integers_unobserved(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`prepared` without the observers the quantizer put on integer tensors: it annotates a multiplication's
+    inputs whatever their dtype, and DeBERTa's relative positions multiply an int64 `sign` (calibration then failed:
+    "histogram_cpu" not implemented for 'Long', and the engine was dropped). Such an input stays as it is."""
+    from torchao.quantization.pt2e import ObserverBase
+    for node in list(prepared.graph.nodes):
+        if node.op != "call_module" or not isinstance(prepared.get_submodule(node.target), ObserverBase):
+            continue
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            node.replace_all_uses_with(node.args[0])
+            prepared.graph.erase_node(node)
+    prepared.recompile()
+    return prepared
 
 
 def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
