@@ -56,6 +56,15 @@ def test_empty_dtype_list_is_rejected():
         MixedPrecisionConfig(dtype=[])
 
 
+@pytest.mark.parametrize("kind,baseline,accuracy", [("relative", 1.0, 0.99), ("absolute", 0.9, 0.89),
+                                                    ("relative", 0.3, 0.297)])
+def test_a_score_exactly_at_the_tolerance_passes(kind, baseline, accuracy):
+    # In floating point these losses come out a hair above 0.01: 0.010000000000000009 for 1.0 to 0.99.
+    config = TuningConfig(loss_kind=kind, tolerable_loss=0.01)
+    assert config.accuracy_loss(baseline, accuracy) == 0.01 and config.passes(baseline, accuracy)
+    assert not config.passes(baseline, accuracy - 1e-9)
+
+
 @pytest.mark.parametrize("kind,higher,baseline,accuracy,loss", [
     ("relative", True, 0.80, 0.78, 0.025),
     ("absolute", True, 0.80, 0.78, 0.02),

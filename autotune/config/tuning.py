@@ -230,9 +230,11 @@ class TuningConfig(ConfigModel):
     def accuracy_loss(self, baseline: float, accuracy: float) -> float:
         """How much worse `accuracy` is than `baseline`, in the configured kind; negative means better."""
         drop = baseline - accuracy if self.higher_is_better else accuracy - baseline
-        if self.loss_kind == "absolute":
-            return drop
-        return drop / abs(baseline) if baseline != 0 else (0.0 if drop <= 0 else float("inf"))
+        if self.loss_kind == "relative":
+            drop = drop / abs(baseline) if baseline != 0 else (0.0 if drop <= 0 else float("inf"))
+        # To 12 significant digits: a score exactly at the tolerance (1.0 to 0.99) computes as a loss of
+        # 0.010000000000000009, which failed a tolerable loss of 0.01 while every log line printed 0.0100.
+        return float(f"{drop:.12g}")
 
     def passes(self, baseline: float, accuracy: float) -> bool:
         return self.accuracy_loss(baseline, accuracy) <= self.tolerable_loss
