@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import pickle
 import re
 import types
 
@@ -537,6 +538,31 @@ def test_the_compiled_engine_leaves_integer_tensors_the_quantizer_would_observe_
     with torch.no_grad():
         reference = model(x)
         assert (built(x) - reference).norm() < 0.05 * reference.norm()
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, pixel_values, mask=None):
+        return self.proj(pixel_values) * (1.0 if mask is None else mask)
+
+
+def test_a_compiled_model_takes_its_inputs_by_position_or_keyword_before_and_after_saving():
+    """eval_fn passed keywords in another order than the model's parameters (a tokenizer's dict): a positional call
+    reached the wrong inputs, and the saved graph took only keywords (ValueError: kwarg keyword mismatch)."""
+    model, x, mask = Masked().eval(), torch.randn(4, 8), torch.rand(4, 8)
+    built = CompiledEngine().build(model, {"proj": "int8"}, Calibration([((), {"mask": mask, "pixel_values": x})], {}))
+    runnable = CompiledEngine().runnable(built)
+    calls = [((x, mask), {}), ((), {"mask": mask, "pixel_values": x}), ((x,), {"mask": mask})]
+    with torch.inference_mode():
+        reference = model(x, mask)
+        for saved in (False, True):
+            candidate = pickle.loads(pickle.dumps(runnable)) if saved else runnable   # as torch.save / load do
+            for args, kwargs in calls:
+                assert (candidate(*args, **kwargs) - reference).norm() < 0.05 * reference.norm(), (saved, kwargs)
 
 
 class Scaled(nn.Module):
