@@ -214,3 +214,40 @@ def test_a_speedup_timed_amid_noise_says_so(tmp_path, caplog, busy):
     result = autotune(model, config, fidelity(model, x), x, measurer=Scattered(["0", "2"]))
     assert result.speedup == pytest.approx(2.0)
     assert ("timing behind the speedup was noisy: it is known to ±47 % at batch 4 only" in caplog.text) == busy
+
+
+def test_the_inductor_engine_compiles_the_fastest_trial_plan_and_the_fastest_without_int8_not_three(tmp_path):
+    """Its int8 modules run eagerly between compiled graphs: the search's near-twin plans rank there as in eager
+    (whose engine times all three), while each compile costs seconds to minutes; a plan it compiles whole is the
+    one worth a second compile."""
+    from autotune.storage.study import passing_trials, trial_plan
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
+    config = TuningConfig(engines=["eager", "inductor"], knobs=[], compile_cache=None,
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.5,
+                          max_trials=26, patience=26, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
+    inputs = torch.randn(2, 8)
+    result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=HalvesPerLowered())
+    passing = [t for t in passing_trials(result.study) if set(trial_plan(t).values()) != {"fp32"}]
+    whole = next(t for t in passing if "int8" not in trial_plan(t).values())
+    assert "int8" in trial_plan(passing[0]).values() and len(passing) > 3
+    built = set(result.study.user_attrs["autotune.finalist_setup_s"])
+    assert {name for name in built if name.startswith("trial") and name.endswith("(inductor)")} == {
+        f"trial {passing[0].number} (inductor)", f"trial {whole.number} (inductor)"}
+    assert {f"trial {t.number}" for t in passing[:3]} <= built     # the eager engine builds the three fastest
+
+
+class HalvesPerLowered(ScriptedMeasurer):
+    """Every module faster in int8 than in bf16, and each plan the faster the more it lowers."""
+
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.01, "bf16": 0.001, "fp32": 0.0} for name in candidates}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: {"int8": 0.4, "bf16": 0.6, "fp32": 1.0} for name in candidates}
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        def ms(model):
+            plan = plan_of(getattr(model, "_orig_mod", model), NAMES)
+            return FP32_MS * (1.0 - sum({"int8": 0.2, "bf16": 0.1}.get(d, 0.0) for d in plan.values()))
+        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
