@@ -125,6 +125,29 @@ def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[
             for name, dtypes in tunable_modules(model, config.config_set).items()}
 
 
+UNTUNED_SHARE = 0.1   # a module type holding this share of the weights, none of it tuned, is named in the log
+
+
+def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[str, tuple[int, float]]:
+    """{module type: (modules, share of the model's weights)} for the types outside every candidate that hold
+    UNTUNED_SHARE of the weights or more, logged: an embedding table can be most of a recommender or a language
+    model, and a user reading the plan alone would not know it was never among the `module_types` tuned."""
+    owned: dict[str, list[int]] = {}
+    total = 0
+    for name, module in model.named_modules():
+        size = sum(p.numel() for p in module.parameters(recurse=False))
+        total += size
+        inside = any(name == c or name.startswith(c + ".") for c in candidates) or "" in candidates
+        if size and not inside:
+            owned.setdefault(type(module).__name__, []).append(size)
+    found = {kind: (len(sizes), sum(sizes) / total) for kind, sizes in owned.items()
+             if total and sum(sizes) / total >= UNTUNED_SHARE}
+    if found:
+        log.info("not tuned, as no module_types names them: %s", ", ".join(
+            f"{kind} ×{count} ({100 * share:.0f} % of the weights)" for kind, (count, share) in found.items()))
+    return found
+
+
 def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dict[str, list[str]]:
     """The candidates the model's forward calls as modules. A parent may use a child's weights without calling
     it (nn.MultiheadAttention's `out_proj`): lowering such a module would change nothing the model runs, and

@@ -22,7 +22,14 @@ from autotune.backends.base import CallInputs
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.discovery import called_candidates, module_groups, runnable_alone, search_candidates, uncompiled
+from autotune.discovery import (
+    called_candidates,
+    module_groups,
+    runnable_alone,
+    search_candidates,
+    uncompiled,
+    untuned_weights,
+)
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
@@ -131,6 +138,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         model = inner
     fp32 = _working_copy(model, device)
     candidates = search_candidates(fp32, config)
+    untuned_weights(fp32, candidates)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     weights = studies.weights_signature(fp32)
     name = study_name_for(model, config, candidates, storage, weights)

@@ -1,8 +1,10 @@
+import logging
+
 import pytest
 from torch import nn
 
 from autotune import ConfigError, MixedPrecisionConfig, NoTunableModulesError
-from autotune.discovery import tunable_modules
+from autotune.discovery import tunable_modules, untuned_weights
 
 
 class Block(nn.Module):
@@ -54,3 +56,24 @@ def test_pattern_matching_nothing_is_an_error_naming_it(field):
 def test_model_without_tunable_modules_is_an_error():
     with pytest.raises(NoTunableModulesError, match="no module of the tunable types"):
         tunable_modules(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), [MixedPrecisionConfig()])
+
+
+class Recommender(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items, self.norm, self.head = nn.Embedding(1000, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.items(ids)).mean(1))
+
+
+def test_a_type_holding_much_of_the_weights_that_no_module_types_names_is_said_to_be_untuned(caplog):
+    """An embedding table can be most of a model: the plan of its Linears alone never said so."""
+    model = Recommender()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        untuned = untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig()]))
+    assert set(untuned) == {"Embedding"} and untuned["Embedding"][0] == 1   # LayerNorm: a sliver of the weights
+    assert untuned["Embedding"][1] == pytest.approx(32000 / (32000 + 64 + 32 * 8 + 8))
+    assert "not tuned, as no module_types names them: Embedding ×1 (99 % of the weights)" in caplog.text
+    assert untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig(module_types=["Embedding",
+                                                                                              "Linear"])])) == {}
