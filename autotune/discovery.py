@@ -132,13 +132,13 @@ def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[
     """{module type: (modules, share of the model's weights)} for the types outside every candidate that hold
     UNTUNED_SHARE of the weights or more, logged: an embedding table can be most of a recommender or a language
     model, and a user reading the plan alone would not know it was never among the `module_types` tuned."""
+    tuned = {id(module) for name in candidates for module in model.get_submodule(name).modules()}
     owned: dict[str, list[int]] = {}
     total = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         size = sum(p.numel() for p in module.parameters(recurse=False))
         total += size
-        inside = any(name == c or name.startswith(c + ".") for c in candidates) or "" in candidates
-        if size and not inside:
+        if size and id(module) not in tuned:
             owned.setdefault(type(module).__name__, []).append(size)
     found = {kind: (len(sizes), sum(sizes) / total) for kind, sizes in owned.items()
              if total and sum(sizes) / total >= UNTUNED_SHARE}
