@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.errors import EvalFunctionError, describe
+from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
 
@@ -24,8 +24,12 @@ class _Captured(BaseException):
     """Unwinds eval_fn once the first batch is recorded (BaseException so a user's `except Exception` lets it by)."""
 
 
-def as_call_inputs(example_inputs: Any) -> CallInputs:
-    """Accepts a tensor, a tuple of positional args, a dict of keyword args or an (args, kwargs) pair."""
+def as_call_inputs(example_inputs: Any, field: str = "example_inputs") -> CallInputs:
+    """Accepts a tensor, a tuple of positional args, a dict of keyword args or an (args, kwargs) pair.
+
+    Raises:
+        ConfigError: anything else, naming `field`.
+    """
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, dict):
@@ -35,18 +39,20 @@ def as_call_inputs(example_inputs: Any) -> CallInputs:
         return example_inputs
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
-    raise TypeError(f"example_inputs must be a tensor, tuple, dict or (args, kwargs); got {type(example_inputs)}")
+    message = f"must be a tensor, tuple, dict or (args, kwargs); got {type(example_inputs).__name__}"
+    raise ConfigError(f"{field} {message}", [(field, message)])
 
 
 CALIBRATION_BATCHES = 4   # whole-model batches kept for static activation ranges (the compiled engine)
 
 
 def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool,
-                  batches: int = CALIBRATION_BATCHES) -> tuple[Any, list[CallInputs]]:
+                  batches: int = CALIBRATION_BATCHES, called: str = "eval_fn") -> tuple[Any, list[CallInputs]]:
     """Calls eval_fn(model) and records the first `batches` batches the model sees.
 
     With stop_early, eval_fn is abandoned right after them (used when its result is already known).
-    Returns (eval_fn's return value or None, the recorded inputs, first batch first).
+    Returns (eval_fn's return value or None, the recorded inputs, first batch first); `called` names eval_fn in
+    the error.
     """
     recorded: list[CallInputs] = []
 
@@ -65,8 +71,8 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     finally:
         handle.remove()
     if not recorded:
-        raise EvalFunctionError("eval_fn never called the model it was given, so no example inputs could be "
-                                "captured; call the model inside eval_fn or pass example_inputs")
+        raise EvalFunctionError(f"{called} never called the model it was given, so no example inputs could be "
+                                f"captured; call the model inside {called} or pass example_inputs")
     return result, recorded
 
 
@@ -113,13 +119,21 @@ def to_device(inputs: Any, device: torch.device) -> Any:
 
 
 def example_or_batches(model: nn.Module, eval_fn: Callable[[nn.Module], Any], example_inputs: Any,
-                       device: torch.device) -> list[CallInputs]:
-    """[`example_inputs` on `device`] if given, else the first batches eval_fn feeds `model` (eval_fn is
-    abandoned right after them).
+                       device: torch.device, run_fn: Callable[[nn.Module], Any] | None = None) -> list[CallInputs]:
+    """The batches the model is timed and calibrated on, on `device`: `example_inputs` first, then the first
+    batches `run_fn` (a calibration function, as INC's `run_fn`) feeds `model`, up to CALIBRATION_BATCHES in all;
+    with neither, the first batches eval_fn feeds it. run_fn and eval_fn are abandoned right after them.
 
     Raises:
-        EvalFunctionError: eval_fn never called the model.
+        EvalFunctionError: run_fn fails, or the function called never calls the model.
     """
-    if example_inputs is not None:
-        return [to_device(as_call_inputs(example_inputs), device)]
-    return run_capturing(model, eval_fn, stop_early=True)[1]
+    batches = [] if example_inputs is None else [to_device(as_call_inputs(example_inputs), device)]
+    if run_fn is not None and len(batches) < CALIBRATION_BATCHES:
+        try:
+            batches += run_capturing(model, run_fn, stop_early=True, batches=CALIBRATION_BATCHES - len(batches),
+                                     called="run_fn")[1]
+        except EvalFunctionError:
+            raise
+        except Exception as exc:  # the user's function: any failure is theirs to see
+            raise EvalFunctionError(f"run_fn failed on the fp32 model: {describe(exc)}") from exc
+    return batches or run_capturing(model, eval_fn, stop_early=True)[1]

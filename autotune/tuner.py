@@ -91,33 +91,45 @@ def _fewer_collections(allocations: int = 20_000) -> Iterator[None]:
 
 
 def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn, example_inputs: Any = None, *,
-             measurer: Measurer | None = None, callbacks: Sequence[TrialCallback] = ()) -> TuningResult:
+             eval_args: Sequence[Any] | None = None, run_fn: Callable[..., Any] | None = None,
+             run_args: Sequence[Any] | None = None, measurer: Measurer | None = None,
+             callbacks: Sequence[TrialCallback] = ()) -> TuningResult:
     """Finds the fastest per-module dtype plan whose eval_fn score stays within the tolerable loss.
 
     Args:
         model: the fp32 model; it is never modified (every candidate is built on a private copy).
         tune_config: a TuningConfig, or a mapping of its fields.
-        eval_fn: `eval_fn(model) -> number` scores a model (higher is better unless the config says otherwise).
-        example_inputs: inputs for latency measurement and calibration; by default the first batch eval_fn
-            gives the model is captured.
+        eval_fn: `eval_fn(model, *eval_args) -> number` scores a model (higher is better unless the config says
+            otherwise).
+        example_inputs: inputs for latency measurement and calibration; by default the first batches run_fn, or
+            else eval_fn, gives the model are captured.
+        eval_args: what eval_fn takes after the model, as INC's `eval_args`.
+        run_fn: `run_fn(model, *run_args)` feeds the model calibration data, as INC's `run_fn`: static int8 is
+            calibrated on its first batches (after example_inputs), and without example_inputs the model is timed
+            on the first.
+        run_args: what run_fn takes after the model.
         measurer: replaces on-device measurement (signals and latency), e.g. with a simulator.
         callbacks: Optuna callbacks, called with (study, finished trial) after every trial this process runs.
     Returns:
         The tuned model, its plan, the baseline and tuned measurements, and the study.
     Raises:
         ConfigError: the configuration is invalid for this model.
-        EvalFunctionError: eval_fn is not callable, or the fp32 baseline evaluation failed.
+        EvalFunctionError: eval_fn or run_fn is not callable, eval_args or run_args is not a tuple, run_fn failed,
+            or the fp32 baseline evaluation failed.
         StudyMismatchError: the named study exists for another model or search space.
     """
     started = time.monotonic()
-    runner = start_runner(model, tune_config, eval_fn, example_inputs, measurer, callbacks)
+    runner = start_runner(model, tune_config, eval_fn, example_inputs, measurer, callbacks, eval_args=eval_args,
+                          run_fn=run_fn, run_args=run_args)
     search(runner, started)
     return finish(runner, started)
 
 
 @_fewer_collections()
 def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn, example_inputs: Any = None,
-                 measurer: Measurer | None = None, callbacks: Sequence[TrialCallback] = ()) -> TrialRunner:
+                 measurer: Measurer | None = None, callbacks: Sequence[TrialCallback] = (), *,
+                 eval_args: Sequence[Any] | None = None, run_fn: Callable[..., Any] | None = None,
+                 run_args: Sequence[Any] | None = None) -> TrialRunner:
     """Opens (or joins) the study and makes it ready for trials: signals, search space, baseline score.
 
     Several processes may do this on one study at once: the first measures the signals under the study's setup
@@ -129,8 +141,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         raise NoTunableModulesError(f"autotune tunes a torch.nn.Module; got {type(model).__name__}"
                                     + (" (a state_dict: load it into its model first)" if isinstance(model, dict)
                                        else ""))
-    if not callable(eval_fn):
-        raise EvalFunctionError(f"eval_fn must be callable as eval_fn(model) -> number; got {type(eval_fn).__name__}")
+    eval_fn = _taking_the_model_alone(eval_fn, eval_args, "eval_fn", "eval_args")
+    run_fn = None if run_fn is None else _taking_the_model_alone(run_fn, run_args, "run_fn", "run_args")
+    if run_fn is None and run_args is not None:
+        raise EvalFunctionError("run_args were given without run_fn, the function they are passed to")
     device = torch.device(config.device)
     if (inner := uncompiled(model)) is not model:
         log.info("the model holds torch.compile wrappers: the modules they compile are tuned (module names without "
@@ -151,10 +165,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
 
     with lease(storage, name, "setup", ttl_s=config.grace_period):
         # The first worker measures the signals; the others wait for it only, then set up from what it stored.
-        setup = None if _measured(study) else _set_up(study, storage, fp32, eval_fn, example_inputs, candidates,
-                                                      config, measurer, first=True)
+        setup = None if _measured(study) else _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn,
+                                                      candidates, config, measurer, first=True)
     measured_here = setup is not None
-    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, candidates, config, measurer)
+    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer)
     candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
     log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
@@ -167,6 +181,25 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         # for it to judge them.
         runner.baseline  # noqa: B018
     return runner
+
+
+def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str,
+                            args_name: str) -> Callable[[nn.Module], Any]:
+    """`fn(model, *args)` as a function of the model alone: INC's eval_fn / eval_args and run_fn / run_args.
+
+    Raises:
+        EvalFunctionError: fn is not callable, or args is not a tuple or list (one DataLoader given bare would be
+            unpacked into its batches).
+    """
+    if not callable(fn):
+        raise EvalFunctionError(f"{name} must be callable as {name}(model{f', *{args_name}' if args else ''})"
+                                f"{' -> number' if name == 'eval_fn' else ''}; got {type(fn).__name__}")
+    if args is None:
+        return fn
+    if not isinstance(args, (tuple, list)):
+        raise EvalFunctionError(f"{args_name} must be a tuple of what {name} takes after the model; got "
+                                f"{type(args).__name__}; one argument goes in a tuple of one: {args_name}=(value,)")
+    return lambda model: fn(model, *args)
 
 
 @dataclass
@@ -200,21 +233,24 @@ def _measured(study) -> bool:
 
 
 def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
-            candidates: dict[str, list[str]], config: TuningConfig, measurer: Measurer, first: bool = False) -> _Setup:
+            run_fn: Callable[[nn.Module], Any] | None, candidates: dict[str, list[str]], config: TuningConfig,
+            measurer: Measurer, first: bool = False) -> _Setup:
     """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`)."""
-    batches, eval_calls = None, 0
-    if first and example_inputs is None:
+    batches, eval_calls, device = None, 0, torch.device(config.device)
+    if example_inputs is not None or run_fn is not None:
+        batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
+    elif first:
         # The baseline's call captures the inputs too, so it comes first here (none stored it before).
         _, batches = study_baseline(study, storage, fp32, eval_fn, config)
         eval_calls += batches is not None
     if batches is None:
-        # Without example_inputs, eval_fn is started for its first batches and abandoned: one call, cut short.
-        eval_calls += example_inputs is None
+        # eval_fn is started for its first batches and abandoned: one call, cut short.
+        eval_calls += 1
         with failing_as_the_baseline():
-            batches = example_or_batches(fp32, eval_fn, example_inputs, torch.device(config.device))
+            batches = example_or_batches(fp32, eval_fn, None, device)
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
     candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
-    shapes = latency_shapes(config, batches[0], torch.device(config.device), fp32)
+    shapes = latency_shapes(config, batches[0], device, fp32)
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()}

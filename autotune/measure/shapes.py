@@ -52,7 +52,8 @@ def resize_batch(inputs: CallInputs, batch: int) -> CallInputs:
 def _shape(entry: LatencyInput, index: int, captured: CallInputs, device: torch.device) -> Shape:
     field = f"latency_inputs.{index}"
     if entry.factory is not None:
-        inputs = to_device(as_call_inputs(call_factory(entry.factory, entry.kwargs, f"{field}.factory")), device)
+        made = call_factory(entry.factory, entry.kwargs, f"{field}.factory")
+        inputs = to_device(as_call_inputs(made, f"{field}.factory"), device)
         default = entry.factory if isinstance(entry.factory, str) else getattr(entry.factory, "__name__", "factory")
         return Shape(entry.name or default.rpartition(":")[2], inputs, entry.weight)
     if entry.batch is not None and batch_size(captured) is None:

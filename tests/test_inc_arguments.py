@@ -1,0 +1,101 @@
+"""INC's call, `autotune(model, tune_config, eval_fn, eval_args=..., run_fn=..., run_args=...)`, works as there:
+eval_fn takes its arguments after the model, and run_fn's batches are the ones calibrated and timed on."""
+import optuna
+import pytest
+import torch
+from conftest import HalfCostMeasurer
+from torch import nn
+
+from autotune import ConfigError, EvalFunctionError, TuningConfig, autotune
+from autotune.tuner import start_runner
+
+NAMES = ["0", "2"]
+EVAL_BATCHES = [torch.randn(16, 32) for _ in range(3)]
+CALIBRATION = [torch.randn(5, 32) for _ in range(10)]
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+
+
+def config(storage, **fields):
+    return TuningConfig(storage=storage, study_name="inc", engines=["eager"], max_trials=3, repeats=3, **fields)
+
+
+class RecordingInputs(HalfCostMeasurer):
+    """Half cost per lowered module; keeps the batch size of every input it is asked to time."""
+
+    def __init__(self):
+        super().__init__(NAMES)
+        self.batch_sizes = set()
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        self.batch_sizes.add(inputs[0][0].shape[0])
+        return super().module_latency(fp32, candidates, inputs, calibration)
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        self.batch_sizes.add(inputs[0][0].shape[0])
+        return super().latency(models, inputs, repeats, warmup)
+
+
+def agreement(model, batches, reference):
+    """INC-style eval_fn: the data comes as an argument."""
+    with torch.no_grad():
+        return sum(float((model(x).argmax(1) == reference(x).argmax(1)).float().mean()) for x in batches) / len(batches)
+
+
+def test_eval_args_and_run_fn_are_passed_as_inc_passes_them(storage):
+    reference = small_model()
+    started, finished, run_calls, calibrated = [], [], [], []
+
+    def eval_fn(model, batches, ref):
+        started.append(len(batches))
+        score = agreement(model, batches, ref)
+        finished.append(score)
+        return score
+
+    def run_fn(model, batches):
+        run_calls.append(1)
+        for x in batches:
+            calibrated.append(x.shape[0])
+            model(x)
+
+    measurer = RecordingInputs()
+    result = autotune(small_model(), config(storage), eval_fn, eval_args=(EVAL_BATCHES, reference), run_fn=run_fn,
+                      run_args=[CALIBRATION], measurer=measurer)
+    assert started and set(started) == {len(EVAL_BATCHES)}
+    # run_fn ran once and was abandoned at its fourth batch; no eval_fn call was cut short to capture inputs.
+    assert run_calls == [1] and calibrated == [5] * 4
+    assert len(finished) == len(started) == result.eval_calls
+    assert measurer.batch_sizes == {5}
+
+
+def test_example_inputs_come_first_then_run_fn_batches(storage):
+    runner = start_runner(small_model(), config(storage), lambda m: float(m(CALIBRATION[0]).isfinite().all()),
+                          torch.randn(7, 32), HalfCostMeasurer(NAMES),
+                          run_fn=lambda m: [m(x) for x in CALIBRATION])
+    assert [args[0].shape[0] for args, _ in runner.batches] == [7, 5, 5, 5]
+    assert runner.inputs[0][0].shape[0] == 7
+
+
+@pytest.mark.parametrize("arguments,message", [
+    ({"eval_args": iter(EVAL_BATCHES)}, "eval_args must be a tuple of what eval_fn takes after the model; got "
+                                        "list_iterator; one argument goes in a tuple of one"),
+    ({"run_fn": "calibrate"}, "run_fn must be callable as run_fn\\(model\\); got str"),
+    ({"run_args": (CALIBRATION,)}, "run_args were given without run_fn"),
+    ({"run_fn": lambda m: None}, "run_fn never called the model it was given"),
+    ({"run_fn": lambda m, data: m(data[0]), "run_args": ([],)}, "run_fn failed on the fp32 model: IndexError"),
+    ({"example_inputs": "a sentence"}, "example_inputs must be a tensor, tuple, dict or \\(args, kwargs\\); got str"),
+])
+def test_bad_inc_arguments_stop_before_anything_runs(storage, arguments, message):
+    evaluated = []
+
+    def eval_fn(model, *args):
+        evaluated.append(1)
+        return agreement(model, EVAL_BATCHES, small_model())
+    error = ConfigError if "example_inputs" in arguments else EvalFunctionError
+    with pytest.raises(error, match=message):
+        autotune(small_model(), config(storage), eval_fn, measurer=HalfCostMeasurer(NAMES), **arguments)
+    assert evaluated == []
+    assert all(summary.n_trials == 0 for summary in optuna.get_all_study_summaries(storage))
