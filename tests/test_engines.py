@@ -704,7 +704,7 @@ def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, mon
                         lambda self: loaded.append(load_artefacts(self)) or loaded[-1])
     model, x = mlp(), batches(1)[0][0][0]
     first = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
-    kept = tmp_path / "cache" / "engines"
+    kept, = (tmp_path / "cache" / "engines").iterdir()   # the folder of this model's weights and batches
     assert builds and first.engine == "compiled" and loaded == [False]
     assert len(list(kept.glob("compiled-*.built"))) == len(builds) and (kept / "compiler.bin").is_file()
 
@@ -714,6 +714,27 @@ def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, mon
     assert again.engine == "compiled" and again.plan == first.plan
     with torch.no_grad():
         assert torch.allclose(again.model(x), first.model(x))
+
+
+def test_a_new_study_of_another_model_of_the_class_builds_its_own_finalists(tmp_path, monkeypatch):
+    """The same class and search space give the same study name; in a new storage (or with the old database
+    deleted) a retrained model's run must not read back the old model's compiled finalists, weights and all."""
+    builds = []
+    build = CompiledEngine.build
+    monkeypatch.setattr(CompiledEngine, "build", lambda self, *args: builds.append(1) or build(self, *args))
+    old, x = mlp(), batches(1)[0][0][0]
+    first = autotune(old, config(tmp_path), fidelity(old), x, measurer=CompiledIsFaster())
+    assert first.engine == "compiled" and builds
+    retrained = mlp()
+    with torch.no_grad():
+        retrained[4].bias += 1.0
+    builds.clear()
+    again = autotune(retrained, config(tmp_path, storage=f"sqlite:///{tmp_path}/new.db"), fidelity(retrained), x,
+                     measurer=CompiledIsFaster())
+    assert again.study.study_name == first.study.study_name and again.engine == "compiled" and builds
+    with torch.no_grad():
+        assert (again.model(x) - retrained(x)).abs().max() < (again.model(x) - old(x)).abs().max()
+    assert len(list((tmp_path / "cache" / "engines").iterdir())) == 2
 
 
 def test_only_the_compiled_engines_graphs_get_torchaos_pre_grad_pass(tmp_path):

@@ -180,8 +180,9 @@ class TuningConfig(ConfigModel):
                     "no use for (tf32 and cuda_graphs off CUDA, channels_last without Conv2d) is not tried")
     compile_cache: str | None = Field(
         f"{DEFAULT_STUDIES_DIR}/cache/compiled", min_length=1,
-        description="folder where finalists of compiling engines and the compiler's artefacts are kept per study, "
-                    "so a resumed study compiles nothing again (machine-local); null: kept nowhere")
+        description="folder where finalists of compiling engines and the compiler's artefacts are kept per study "
+                    "and per model weights and calibration batches, so a resumed study compiles nothing again "
+                    "(machine-local); null: kept nowhere")
     objective: Literal["latency", "pareto"] = Field(
         "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
                                "latency vs accuracy loss (study.best_trials)")

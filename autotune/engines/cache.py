@@ -28,8 +28,10 @@ class CompileCache:
         self.unkept: list[str] = []   # finalists built but not kept: torch.save could not pickle them
 
     @classmethod
-    def for_study(cls, root: str | None, study_name: str) -> CompileCache:
-        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) if root else None)
+    def for_study(cls, root: str | None, study_name: str, built_from: str) -> CompileCache:
+        """The folder of one study's finalists built from one model and its calibration batches (`built_from`,
+        storage.study.built_from)."""
+        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) / built_from if root else None)
 
     def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
               inputs: CallInputs, knobs: tuple[str, ...] = ()) -> nn.Module:

@@ -137,7 +137,8 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     hundreds of modules, and the eager engine's finalists, which compile nothing, are built first."""
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     compiling = any(engine != "eager" for engine in runner.config.engines)
-    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name)
+    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
+                                   studies.built_from(runner.study, runner.batches))
     cache.load_compiler_artefacts()
     found: dict[str, Finalist] = {}
     latency = studies.get_attr(runner.study, "module_latency_ms")

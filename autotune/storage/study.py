@@ -24,6 +24,7 @@ from autotune.config.tuning import TuningConfig
 from autotune.errors import StudyMismatchError
 from autotune.plan import Plan, plan_key
 from autotune.storage.rdb import shown
+from autotune.tree import tensors
 
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
@@ -50,12 +51,22 @@ WEIGHTS_RTOL = 1e-5
 def weights_signature(model: torch.nn.Module) -> dict[str, list[float]]:
     """{state entry: [sum of |w|, sum of w²]} (in float64) for each tensor of the model's state: what tells one set of
     weights from another, across machines."""
-    signature = {}
-    for name, value in model.state_dict().items():
-        if isinstance(value, torch.Tensor) and not value.is_meta:
-            values = (value.dequantize() if value.is_quantized else value).detach().double()
-            signature[name] = [values.abs().sum().item(), values.square().sum().item()]
-    return signature
+    return {name: _sums(value) for name, value in model.state_dict().items()
+            if isinstance(value, torch.Tensor) and not value.is_meta}
+
+
+def _sums(value: torch.Tensor) -> list[float]:
+    values = (value.dequantize() if value.is_quantized else value).detach().double()
+    return [values.abs().sum().item(), values.square().sum().item()]
+
+
+def built_from(study: optuna.Study, batches: Any) -> str:
+    """What a finalist built for `study` holds besides its plan, as a short hash: the model's weights and the
+    batches static int8 is calibrated on. A compile cache keyed by the study's name alone hands a new study of
+    another model of the same class (a new storage, or the old database deleted) the old model's finalists."""
+    inputs = [[list(t.shape), str(t.dtype), *_sums(t)] for t in tensors(batches)]
+    text = json.dumps([get_attr(study, "weights"), inputs], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def same_weights(one: dict[str, list[float]], other: dict[str, list[float]]) -> bool:
