@@ -268,3 +268,38 @@ def test_a_saved_int8_model_with_eight_bit_activations_warns_when_loaded_on_a_cp
     assert warned[0].startswith("StaticInt8Conv2d: ") and "autotune apply" in warned[0]
     assert warned[1].startswith("DynamicInt8RNN: ")
     assert load(vnni=True) == []
+
+
+def test_a_depthwise_int8_convolution_errs_no_more_than_a_dense_one():
+    """FBGEMM's depthwise kernel adds 8-bit activation products in int16 even on an AVX512-VNNI CPU: 10x the error
+    of a dense convolution there, where oneDNN's (the x86 engine's choice) adds them in int32."""
+    from autotune.backends import Int8StaticConv2dConfig
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 16, 16)
+    errors = {}
+    for groups in (1, 64):
+        conv = nn.Conv2d(64, 64, 3, padding=1, groups=groups).eval()
+        with torch.inference_mode():
+            errors[groups] = relative_error(Int8StaticConv2dConfig().lower(conv, ((x,), {}))(x), conv(x))
+    assert errors[64] < 1.5 * errors[1]
+
+
+def test_a_saved_int8_convolution_computes_what_was_measured_whichever_engine_the_loading_process_has():
+    """torch.load packs int8 weights again, for the process's quantized engine, whose kernels round otherwise than
+    those the module was measured with: a saved model scored differently from the tuned one."""
+    from autotune.backends import Int8StaticConv2dConfig
+    torch.manual_seed(0)
+    conv, x = nn.Conv2d(3, 64, 3, padding=1).eval(), torch.randn(8, 3, 32, 32)
+    lowered = Int8StaticConv2dConfig().lower(conv, ((x,), {}))
+    saved = io.BytesIO()
+    torch.save(lowered, saved)
+    before = torch.backends.quantized.engine
+    try:
+        for engine in {"fbgemm", "x86", "onednn"} & set(torch.backends.quantized.supported_engines):
+            torch.backends.quantized.engine = engine
+            saved.seek(0)
+            restored = torch.load(saved, weights_only=False)
+            with torch.inference_mode():
+                assert torch.equal(restored(x), lowered(x)), engine
+    finally:
+        torch.backends.quantized.engine = before

@@ -25,7 +25,7 @@ class DynamicInt8Linear(PackedInt8):
     def __init__(self, linear: nn.Linear, reduce_range: bool, engine: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.reduce_range = reduce_range
+        self.reduce_range, self.engine = reduce_range, engine
         bias = None if linear.bias is None else linear.bias.detach().float()
         qweight = per_channel_qweight(linear.weight)
         with quantized_engine(engine):

@@ -31,7 +31,7 @@ class DynamicInt8RNN(Int8Kernels):
     def __init__(self, rnn: nn.LSTM | nn.GRU, reduce_range: bool, engine: str):
         super().__init__()
         self.mode = type(rnn).__name__
-        self.reduce_range = reduce_range
+        self.reduce_range, self.engine = reduce_range, engine
         for name in ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional"):
             setattr(self, name, getattr(rnn, name))
         self._nbytes = 0

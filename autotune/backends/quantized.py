@@ -99,8 +99,10 @@ def qint8_nbytes(qweight: torch.Tensor, bias: torch.Tensor | None) -> int:
 class Int8Kernels(nn.Module):
     """What every module running FBGEMM's int8 kernels holds: packed weights (`_packed`: one, or a list of them),
     which no op changes in place, so copies of the module share them; the bytes of its int8 weights; the activation
-    bits it was built with (`reduce_range`). One built with 8 bits (on a CPU with AVX512-VNNI) and unpickled on a
-    CPU without it warns: its kernels can saturate there, so it may score below what was measured.
+    bits it was built with (`reduce_range`); the quantized engine that packed them (`engine`), which packs them
+    again when the module is unpickled, so a saved model computes what was measured (another engine's kernels
+    round differently). One built with 8 bits (on a CPU with AVX512-VNNI) and unpickled on a CPU without it warns:
+    its kernels can saturate there, so it may score below what was measured.
 
     Each subclass's forward runs outside torch.compile's graphs (torch.compiler.disable): dynamo cannot trace these
     kernels and breaks the graph at them anyway, and tracing into one under autocast (the inductor engine's
@@ -110,6 +112,7 @@ class Int8Kernels(nn.Module):
     _packed: torch.ScriptObject | list[torch.ScriptObject]
     _nbytes: int
     reduce_range: bool
+    engine: str
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -132,7 +135,10 @@ class Int8Kernels(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         if isinstance(state.get("_packed"), bytes):
-            with warnings.catch_warnings():
+            engine = state.get("engine")
+            if engine not in torch.backends.quantized.supported_engines:   # saved before engines were kept
+                engine = torch.backends.quantized.engine
+            with warnings.catch_warnings(), quantized_engine(engine):
                 warnings.simplefilter("ignore", UserWarning)
                 state = {**state, "_packed": torch.load(io.BytesIO(state["_packed"]), weights_only=False)}
         super().__setstate__(state)
