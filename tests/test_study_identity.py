@@ -60,3 +60,18 @@ def test_weights_signatures_tell_models_apart_by_their_values_names_and_buffers(
     assert not same_weights(signature, weights_signature(model))
     renamed = {f"x.{name}": value for name, value in signature.items()}
     assert not same_weights(signature, renamed)
+
+
+def test_a_bf16_copy_of_a_model_is_another_set_of_weights(storage):
+    """Its sums are the fp32 weights' to about 1e-6, within what tells a model built again elsewhere; its trials'
+    scores are not theirs, so it is tuned in a study of its own (and a named fp32 study refuses it)."""
+    from autotune.storage.rdb import open_storage
+    from autotune.tuner import study_name_for
+
+    sim = SimWorkload(20, tolerable_loss=0.01)
+    first = tune(sim, sim.model(), storage)
+    half = sim.model().to(torch.bfloat16)
+    assert same_weights(weights_signature(sim.model()), weights_signature(sim.model()))
+    assert not same_weights(weights_signature(sim.model()), weights_signature(half))
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01)
+    assert study_name_for(half, config, storage=open_storage(storage)) == f"{first.study.study_name}.2"

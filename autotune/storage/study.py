@@ -50,8 +50,11 @@ WEIGHTS_RTOL = 1e-5
 
 def weights_signature(model: torch.nn.Module) -> dict[str, list[float]]:
     """{state entry: [sum of |w|, sum of w²]} (in float64) for each tensor of the model's state: what tells one set of
-    weights from another, across machines."""
-    return {name: _sums(value) for name, value in model.state_dict().items()
+    weights from another, across machines. A floating tensor in another dtype than float32 is entered under its
+    name and dtype: the sums of a bf16 copy of a model are those of its fp32 weights to 1e-6, and its trials' scores
+    are not theirs."""
+    return {name if not value.is_floating_point() or value.dtype == torch.float32 else f"{name} ({value.dtype})":
+            _sums(value) for name, value in model.state_dict().items()
             if isinstance(value, torch.Tensor) and not value.is_meta}
 
 
