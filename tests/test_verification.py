@@ -107,6 +107,31 @@ def test_a_winner_no_faster_timed_again_gives_way_to_the_next_finalist_not_to_fp
                                                                              "than fp32")
 
 
+class FirstRunsSlowerAlone(ScriptedMeasurer):
+    """Timed again on its own, the race's fastest (the uniform plan, raced at 0.5) runs at 0.8 of fp32's time; the
+    others run alone as they raced (the next, `PLANS[1]`, at 0.55)."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        if "plan" in models or len(models) > 2:
+            return super().latency(models, inputs, repeats, warmup)
+        return {name: LatencyStats(FP32_MS * (1.0 if name == "fp32" else 0.8 if plan_of(model, NAMES) == UNIFORM
+                                              else VERIFY_RATIO[plan_key(plan_of(model, NAMES))]), 0.0, repeats)
+                for name, model in models.items()}
+
+
+def test_a_winner_far_slower_alone_than_the_next_finalist_raced_gives_way_to_it(tmp_path, caplog):
+    """A busy host's race timed a ShuffleNet plan at 0.48 of fp32, alone it ran at 0.94; it was returned where the
+    fp32 plan compiled raced at 0.57 (1.75x), slower than torch.compile on the user's own timing."""
+    result = tuned_eagerly(tmp_path, FirstRunsSlowerAlone())
+    assert result.plan == PLANS[1] and result.speedup == pytest.approx(1 / 0.55)
+    raced = sorted(result.study.user_attrs["autotune.finalist_ratio"].items(), key=lambda item: item[1])
+    (first, _), (second, _) = raced[:2]
+    assert result.study.user_attrs["autotune.finalist_evaluated"] == {
+        first: f"passed: score 1, loss 0; timed again on its own at 0.800 of fp32's time, slower than {second}",
+        second: "passed: score 1, loss 0"}   # the third raced at 0.6, not 10 % faster than 0.55: left alone
+    assert f"{first}, timed again on its own, ran at 0.80 of fp32's time, where {second} raced at 0.55" in caplog.text
+
+
 class EngineBlindMeasurer(ScriptedMeasurer):
     """Two modules; re-timed, plan `FLAKY` is fastest in both engines that build plans as the trials ran them."""
 
