@@ -612,6 +612,27 @@ def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_p
     assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]
 
 
+class Int8HopelessEagerly(Int8PaysOnlyCompiled):
+    """int8 modules at 2.5x their fp32 time eagerly: past what any engine running eager modules can win back."""
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {n: {"int8": 2.5, "bf16": 0.8, "fp32": 1.0} for n in candidates}
+
+
+def test_int8_hopeless_eagerly_is_still_built_in_the_engine_with_int8_kernels_of_its_own(tmp_path, caplog):
+    """The compiled engine runs oneDNN's int8 kernels fused with their quantisation: a ShuffleNet's int8 modules
+    took 2.2x their fp32 time eagerly, and its uniform int8 plan through pt2e and inductor ran 1.97x faster."""
+    model = mlp()
+    settings = config(tmp_path, engines=["eager", "inductor", "compiled"],
+                      config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]))
+    with caplog.at_level("INFO", logger="autotune"):
+        result = autotune(model, settings, fidelity(model), batches(1)[0][0][0], measurer=Int8HopelessEagerly())
+    built = result.study.user_attrs["autotune.finalist_setup_s"]
+    assert "uniform int8 (compiled)" in built and "uniform int8" not in built and "uniform int8 (inductor)" not in built
+    assert "uniform int8 is not a finalist of the engines running eager modules: its modules took 2.5x" in caplog.text
+    assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_ratio"]   # raced
+
+
 @pytest.mark.parametrize("lost,finalist", [(5.0, False), (2.0, True)])
 def test_a_uniform_plan_whose_own_trial_missed_by_far_is_built_in_no_engine(tmp_path, caplog, lost, finalist):
     """Another engine's numerics differ from the trial's, but not by several tolerances: building and evaluating
