@@ -83,5 +83,5 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
             return stored, None
         baseline, batches = evaluate_baseline(fp32, eval_fn, config)
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
-    log.info("baseline accuracy %.4f", baseline)
+    log.info("baseline score %.6g", baseline)
     return baseline, batches

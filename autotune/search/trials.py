@@ -205,7 +205,7 @@ class TrialRunner:
         if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)
         self.outcomes[key] = outcome
-        log.info("trial %d [%s] %s: accuracy %.4f (loss %.4f) latency %.2fx fp32%s %s", trial.number,
+        log.info("trial %d [%s] %s: score %.6g (loss %.4g) latency %.2fx fp32%s %s", trial.number,
                  trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss, outcome.latency_ratio,
                  "" if timed else " (predicted)", "pass" if outcome.passed else "FAIL")
         return self._values(outcome)
