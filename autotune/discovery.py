@@ -159,8 +159,9 @@ def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dic
     kept = {name: dtypes for name, dtypes in candidates.items() if name in called}
     skipped = [name for name in candidates if name not in called]
     if skipped:
-        log.info("%d tunable modules are never called by the forward (their parent reads their weights, or they "
-                 "are unused), so they stay as they are: %s%s", len(skipped), ", ".join(skipped[:5]),
+        log.info("%d tunable modules are never called by the forward on the captured batch (their parent reads "
+                 "their weights, they are unused, or only other inputs reach them), so they stay as they are: %s%s",
+                 len(skipped), ", ".join(skipped[:5]),
                  f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     if not kept:
         raise NoTunableModulesError(f"the forward calls none of the {len(candidates)} tunable modules as a module "
