@@ -276,3 +276,21 @@ class HalvesPerLowered(ScriptedMeasurer):
             plan = plan_of(getattr(model, "_orig_mod", model), NAMES)
             return FP32_MS * (1.0 - sum({"int8": 0.2, "bf16": 0.1}.get(d, 0.0) for d in plan.values()))
         return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_a_compiled_model_computing_in_half_is_no_twin_of_its_eager_build():
+    """Compiling rounds a bf16 model otherwise (inductor keeps fused intermediates in fp32): a bf16 GPT-2's eager plan
+    passed its trial, yet was not evaluated for the win because its compiled twin had missed. int8 and fp32 plans
+    still share one evaluation between the eager and inductor engines."""
+    from autotune.search.finalists import Finalist
+    from autotune.search.winner import _numerics
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    given_in_bf16 = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+
+    def numerics(engine, dtype, built=model):
+        return _numerics(Finalist({"0": dtype}, engine, built, built, 0.0))
+    assert numerics("eager", "int8") == numerics("inductor", "int8")
+    assert numerics("eager", "fp32") == numerics("inductor", "fp32")
+    assert numerics("eager", "bf16") != numerics("inductor", "bf16")
+    assert numerics("eager", "fp32", given_in_bf16) != numerics("inductor", "fp32", given_in_bf16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from autotune.clone import clone
@@ -147,7 +148,16 @@ def _numerics(finalist: Finalist) -> tuple:
     keep every value (channels_last: a MobileNet's int8 finalist and its channels_last twin each cost an eval_fn
     call to miss by the same score)."""
     changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values)
-    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing
+    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing, _compiled_in_half(finalist)
+
+
+def _compiled_in_half(finalist: Finalist) -> bool:
+    """Whether `finalist` is compiled and computes in bf16 / fp16: compiling such a model rounds otherwise than
+    running it eagerly (inductor keeps fused intermediates in fp32), so it is no twin of its eager plan: a bf16
+    GPT-2's eager plan, which had passed its trial, was not evaluated because its compiled twin missed."""
+    half = (torch.bfloat16, torch.float16)
+    return finalist.engine != "eager" and (any(dtype in ("bf16", "fp16") for dtype in finalist.plan.values())
+                                           or any(p.dtype in half for p in finalist.built.parameters()))
 
 
 def _fp32_and(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, dict[str, LatencyStats]]:
