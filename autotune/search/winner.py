@@ -55,14 +55,7 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
     models = {name: finalist.runnable for name, finalist in candidates.items()}
     by_shape, ratio = race(runner, models, config.repeats)
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
-    rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
-    passed: dict[tuple, float] = {}   # numerics of a finalist that passed -> its score
-    evaluated: dict[str, str] = {}    # finalist -> how its re-evaluation went, kept on the study as it goes
-
-    def note(name: str, outcome: str) -> None:
-        evaluated[name] = outcome
-        studies.set_attr(runner.study, "finalist_evaluated", evaluated)
-
+    verdicts = _Verdicts(runner)
     best: Winner | None = None
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= (1.0 if best is None else best.ratio * (1 - OUTRACED)):
@@ -71,50 +64,74 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
             log.warning("%s, timed again on its own, ran at %.2f of fp32's time, where %s raced at %.2f: trying it "
                         "too", best.name, best.ratio, name, ratio[name])
         finalist = candidates[name]
-        numerics = _numerics(finalist)
-        if numerics in rejected:
-            log.info("%s is not evaluated: its model computes what %s's did", name, rejected[numerics])
-            note(name, f"not evaluated: its model computes what {rejected[numerics]}'s did")
+        accuracy = verdicts.passing_score(name, finalist)
+        if accuracy is None:
             continue
-        if numerics in passed:   # a twin of one that passed, then ran no faster timed again: only its time is new
-            accuracy = passed[numerics]
-        else:
-            rejected[numerics] = name    # until it passes
-            runner.eval_calls += 1
-            try:
-                # The model returned, as it runs (compiled where its engine compiles): its score is the one reported.
-                accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, _timeout(config, finalist)))
-            except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
-                log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
-                note(name, f"eval_fn failed: {describe(exc)}")
-                continue
-            loss, passes = config.accuracy_loss(runner.baseline, accuracy), config.passes(runner.baseline, accuracy)
-            note(name, f"{'passed' if passes else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
-            if not passes:
-                log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where "
-                            "%.4g is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
-                continue
-            del rejected[numerics]
-            passed[numerics] = accuracy
         winner = _timed_again(runner, finalist, name, accuracy)
-        outcome = evaluated.get(name, "passed as its twin did")
         if best is not None and winner.ratio >= best.ratio:
             # Timed alone, it lost its race lead too: the host ran slower than in the race, not the first alone.
-            note(name, f"{outcome}; timed again on its own, no faster than {best.name}")
+            verdicts.add(name, f"timed again on its own, no faster than {best.name}")
             break
         if winner.ratio >= 1.0:
             log.warning("%s, timed again against fp32 on its own, ran no faster (%.2fx its time); trying the next",
                         name, winner.ratio)
-            note(name, f"{outcome}; timed again on its own, no faster than fp32")
+            verdicts.add(name, "timed again on its own, no faster than fp32")
             continue
         if best is not None:
-            note(best.name, f"{evaluated.get(best.name, 'passed')}; timed again on its own at {best.ratio:.3f} of "
-                            f"fp32's time, slower than {name}")
+            verdicts.add(best.name, f"timed again on its own at {best.ratio:.3f} of fp32's time, slower than {name}")
         best = winner
     if best is not None:
         return best
     log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
     return _fp32_winner(runner, by_shape)
+
+
+class _Verdicts:
+    """The finalists' re-evaluations for the win, one eval_fn call per numerics (`_numerics`), each finalist's
+    outcome kept on the study as it goes (`finalist_evaluated`)."""
+
+    def __init__(self, runner: TrialRunner):
+        self.runner = runner
+        self.rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
+        self.passed: dict[tuple, float] = {}   # numerics of a finalist that passed -> its score
+        self.outcomes: dict[str, str] = {}     # finalist -> how its re-evaluation went
+
+    def note(self, name: str, outcome: str) -> None:
+        self.outcomes[name] = outcome
+        studies.set_attr(self.runner.study, "finalist_evaluated", self.outcomes)
+
+    def add(self, name: str, more: str) -> None:
+        """Adds to the outcome of a finalist that passed what its timing on its own showed."""
+        self.note(name, f"{self.outcomes.get(name, 'passed as its twin did')}; {more}")
+
+    def passing_score(self, name: str, finalist: Finalist) -> float | None:
+        """The finalist's score where it passes: evaluated now, as it runs (compiled where its engine compiles:
+        the score reported), or its twin's. None where it or a twin missed, or eval_fn failed (logged)."""
+        config, numerics = self.runner.config, _numerics(finalist)
+        if numerics in self.rejected:
+            log.info("%s is not evaluated: its model computes what %s's did", name, self.rejected[numerics])
+            self.note(name, f"not evaluated: its model computes what {self.rejected[numerics]}'s did")
+            return None
+        if numerics in self.passed:   # a twin of one that passed, then ran no faster timed again
+            return self.passed[numerics]
+        self.rejected[numerics] = name    # until it passes
+        self.runner.eval_calls += 1
+        try:
+            accuracy = score_of(call_with_timeout(self.runner.eval_fn, finalist.runnable, _timeout(config, finalist)))
+        except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
+            log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
+            self.note(name, f"eval_fn failed: {describe(exc)}")
+            return None
+        baseline = self.runner.baseline
+        loss, passes = config.accuracy_loss(baseline, accuracy), config.passes(baseline, accuracy)
+        self.note(name, f"{'passed' if passes else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
+        if not passes:
+            log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where "
+                        "%.4g is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
+            return None
+        del self.rejected[numerics]
+        self.passed[numerics] = accuracy
+        return accuracy
 
 
 def _timeout(config: TuningConfig, finalist: Finalist) -> float | None:
