@@ -131,24 +131,24 @@ def test_a_lease_is_exclusive_renewed_while_held_and_freed_when_its_holder_dies(
     url = f"sqlite:///{tmp_path}/s.db"
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
-    holder = context.Process(target=_hold_lease, args=(url, ready, 1.0))
+    holder = context.Process(target=_hold_lease, args=(url, ready, 2.0))
     holder.start()
     entered = []
 
     def take_lease():
-        with lease(open_storage(url), "s", "setup", ttl_s=1.0, poll_s=0.05):
+        with lease(open_storage(url), "s", "setup", ttl_s=2.0, poll_s=0.05):
             entered.append(time.monotonic())
 
     try:
         assert ready.wait(60)
         waiter = threading.Thread(target=take_lease, daemon=True)
         waiter.start()
-        waiter.join(2.5)       # past the ttl: only the holder's renewals keep the lease
+        waiter.join(5.0)       # past the ttl: only the holder's renewals keep the lease (renewed every 0.67 s)
         assert not entered, "a second holder entered a held lease"
         killed = time.monotonic()
         os.kill(holder.pid, signal.SIGKILL)
         waiter.join(10)
-        assert entered and entered[0] - killed < 5, "the lease of a dead holder was not freed"
+        assert entered and entered[0] - killed < 6, "the lease of a dead holder was not freed"
     finally:
         holder.kill()
         holder.join()
@@ -156,6 +156,28 @@ def test_a_lease_is_exclusive_renewed_while_held_and_freed_when_its_holder_dies(
     with lease(storage, "s", "setup", ttl_s=30, poll_s=0.05):      # released on exit: taken again at once
         with storage.engine.connect() as connection:
             assert connection.execute(sqlalchemy.text("SELECT COUNT(*) FROM autotune_leases")).scalar() == 1
+
+
+def test_a_lease_renewal_that_fails_once_is_tried_again_not_given_up(tmp_path, monkeypatch, caplog):
+    """A renewal meeting a locked SQLite file or a dropped connection ended the renewing thread in silence: the
+    lease then expired under its live holder, and a second worker entered it."""
+    from autotune.storage import claims
+
+    update, failed = claims.leases.update, []
+
+    def locked_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            raise sqlalchemy.exc.OperationalError("UPDATE autotune_leases", {}, Exception("database is locked"))
+        return update(*args, **kwargs)
+    monkeypatch.setattr(claims.leases, "update", locked_once)
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db")
+    with lease(storage, "s", "setup", ttl_s=0.6, poll_s=0.05):
+        time.sleep(1.5)     # past the ttl: only the renewals after the failed one keep it
+        with storage.engine.connect() as connection:
+            expires = connection.execute(sqlalchemy.text("SELECT expires_at FROM autotune_leases")).scalar()
+    assert failed and expires > time.time() - 0.1
+    assert "lease setup of study s: renewing failed (OperationalError" in caplog.text
 
 
 def test_a_trial_killed_before_its_heartbeat_started_is_failed_after_the_grace_period(tmp_path):

@@ -5,6 +5,7 @@ with SQLAlchemy Core; nothing in Optuna's schema is touched."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import threading
@@ -17,6 +18,10 @@ import sqlalchemy
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table
+
+from autotune.errors import describe
+
+log = logging.getLogger("autotune")
 
 _metadata = MetaData()
 plan_claims = Table(
@@ -100,9 +105,13 @@ def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s:
 
     def renew() -> None:
         while not stop.wait(ttl_s / 3):
-            with engine.begin() as connection:
-                connection.execute(leases.update().where(*where, leases.c.holder == holder)
-                                   .values(expires_at=time.time() + ttl_s))
+            try:
+                with engine.begin() as connection:
+                    connection.execute(leases.update().where(*where, leases.c.holder == holder)
+                                       .values(expires_at=time.time() + ttl_s))
+            except sqlalchemy.exc.SQLAlchemyError as exc:   # a locked SQLite file, a dropped connection: next tick
+                log.warning("lease %s of study %s: renewing failed (%s); trying again", name, study_name,
+                            describe(exc))
 
     renewer = threading.Thread(target=renew, name=f"autotune-lease-{name}", daemon=True)
     renewer.start()
