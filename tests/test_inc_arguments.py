@@ -99,3 +99,49 @@ def test_bad_inc_arguments_stop_before_anything_runs(storage, arguments, message
         autotune(small_model(), config(storage), eval_fn, measurer=HalfCostMeasurer(NAMES), **arguments)
     assert evaluated == []
     assert all(summary.n_trials == 0 for summary in optuna.get_all_study_summaries(storage))
+
+
+def calibrate_on(batch: int):
+    """A YAML calibration factory: run_fn(model) feeding batches of `batch` rows."""
+    def run_fn(model):
+        for _ in range(10):
+            model(torch.randn(batch, 32))
+    return run_fn
+
+
+def calibration_rows():
+    """What a factory should not return for calibration.run_fn: the data instead of the function."""
+    return CALIBRATION
+
+
+def scored():
+    """A YAML eval_fn factory."""
+    return lambda model: agreement(model, EVAL_BATCHES, small_model())
+
+
+def test_a_yaml_calibration_run_fn_is_what_apply_calibrates_on_as_the_tuning_did():
+    from autotune.cli.study_commands import calibration_batches
+    from autotune.config.file import parse_config
+
+    config = parse_config({"model": {"factory": "test_inc_arguments:small_model"},
+                           "evaluation": {"eval_fn": "test_inc_arguments:scored"},
+                           "calibration": {"run_fn": "test_inc_arguments:calibrate_on", "kwargs": {"batch": 5}}})
+    assert [args[0].shape[0] for args, _ in calibration_batches(config, small_model())] == [5, 5, 5, 5]
+    without = parse_config({"model": {"factory": "test_inc_arguments:small_model"},
+                            "evaluation": {"eval_fn": "test_inc_arguments:scored"}})
+    assert [args[0].shape[0] for args, _ in calibration_batches(without, small_model())] == [16, 16, 16]
+
+
+def test_a_yaml_calibration_that_builds_no_run_fn_and_a_refused_one_say_so():
+    from autotune.config.file import parse_config
+    from autotune.service.worker import JobRefused, check_allowed
+
+    config = parse_config({"model": {"factory": "test_inc_arguments:small_model"},
+                           "evaluation": {"eval_fn": "test_inc_arguments:scored"},
+                           "calibration": {"run_fn": "test_inc_arguments:calibration_rows"}})
+    with pytest.raises(ConfigError, match="calibration.run_fn: test_inc_arguments:calibration_rows returned list, "
+                                          "not a run_fn"):
+        config.build_run_fn()
+    with pytest.raises(JobRefused, match="calibration.run_fn: os:system"):
+        check_allowed({"model": {"factory": "autotune.workloads.mnist:model"},
+                       "calibration": {"run_fn": "os:system"}}, ("autotune.workloads.*",))

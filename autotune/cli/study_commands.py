@@ -108,7 +108,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     model = config.build_model()
     eval_fn = config.evaluation.build()
     if worker:
-        runner = start_runner(model, tuning, eval_fn, config.build_example_inputs())
+        runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), run_fn=config.build_run_fn())
         search(runner, started)
         click.echo(f"worker {os.getpid()}: {runner.eval_calls} eval_fn calls")
         return
@@ -123,7 +123,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         try:
             with progress(tuning.max_trials, done, verbose) as callbacks:
                 runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(),
-                                      callbacks=[*callbacks, interrupts.stop_if_received])
+                                      callbacks=[*callbacks, interrupts.stop_if_received], run_fn=config.build_run_fn())
                 stopped = search(runner, started)
             failed = [code for code in (helper.wait() for helper in helpers) if code != 0]
         finally:
@@ -244,9 +244,10 @@ def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...]]:
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
-    """The config's example inputs, else the first batches its eval_fn feeds the model."""
+    """The batches the tuning calibrated on: the config's example inputs, then its run_fn's first batches; else the
+    first batches its eval_fn feeds the model."""
     return example_or_batches(clone(model), config.evaluation.build(), config.build_example_inputs(),
-                              torch.device(config.tuning.device))
+                              torch.device(config.tuning.device), config.build_run_fn())
 
 
 @main.command(name="apply")

@@ -4,6 +4,7 @@
     evaluation: {eval_fn: "package.module:factory", kwargs: {...}}      # factory(**kwargs) -> eval_fn
             or  {dataset: {files: data.parquet}, inputs: image, label: label, metric: accuracy, batch_size: 64}
     example_inputs: {factory: "package.module:callable", kwargs: {...}} # optional
+    calibration: {run_fn: "package.module:factory", kwargs: {...}}      # optional: factory(**kwargs) -> run_fn
     tuning:     {...}                                                   # autotune.config.TuningConfig
 
 `${VAR}` / `$VAR` are expanded in every string value (a variable that is not set is an error). Relative dataset
@@ -182,11 +183,27 @@ class Evaluation(StrictModel):
         return dataset_eval(self)
 
 
+class CalibrationFn(StrictModel):
+    """INC's run_fn: `run_fn(model)` feeds the model calibration data (its first batches are used: see `autotune`)."""
+
+    run_fn: ImportPath = Field(description="factory(**kwargs) returning run_fn(model)")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def build(self) -> Callable[[nn.Module], Any]:
+        run_fn = call_factory(self.run_fn, self.kwargs, "calibration.run_fn")
+        if not callable(run_fn):
+            raise ConfigError(f"calibration.run_fn: {self.run_fn} returned {type(run_fn).__name__}, not a "
+                              "run_fn(model)", [("calibration.run_fn", self.run_fn)])
+        return run_fn
+
+
 class FileConfig(StrictModel):
     display_name = "config"
     model: Factory
     evaluation: Evaluation
     example_inputs: Factory | None = Field(None, description="default: the first batch eval_fn feeds the model")
+    calibration: CalibrationFn | None = Field(None, description="default: calibrated on the first batches eval_fn "
+                                                                "feeds the model (or example_inputs)")
     tuning: TuningConfig = Field(default_factory=TuningConfig, validate_default=True)
 
     @field_validator("tuning")
@@ -208,6 +225,9 @@ class FileConfig(StrictModel):
 
     def build_example_inputs(self) -> Any:
         return None if self.example_inputs is None else self.example_inputs.build("example_inputs.factory")
+
+    def build_run_fn(self) -> Callable[[nn.Module], Any] | None:
+        return None if self.calibration is None else self.calibration.build()
 
 
 def parse_config(data: Any, base_dir: Path | str = ".", source: str = "config") -> FileConfig:

@@ -26,7 +26,8 @@ from autotune.tuner import finish, search, start_runner
 
 log = logging.getLogger("autotune")
 DEFAULT_ALLOW = ("autotune.workloads.*",)
-IMPORT_FIELDS = (("model", "factory"), ("evaluation", "eval_fn"), ("example_inputs", "factory"))
+IMPORT_FIELDS = (("model", "factory"), ("evaluation", "eval_fn"), ("example_inputs", "factory"),
+                 ("calibration", "run_fn"))
 
 
 class JobRefused(AutotuneError):
@@ -89,7 +90,7 @@ class Worker:
             config = job_config(job, self.allow)
             tuning = config.tuning.model_copy(update={"storage": self.storage_url})
             runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
-                                  config.build_example_inputs())
+                                  config.build_example_inputs(), run_fn=config.build_run_fn())
             self.queue.set_study(job.id, runner.study.study_name)
             stopped = search(runner, started, should_stop=self._cancelled(job.id))
             log.info("job %d: search stopped: %s", job.id, stopped)
