@@ -141,8 +141,8 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         raise NoTunableModulesError(f"autotune tunes a torch.nn.Module; got {type(model).__name__}"
                                     + (" (a state_dict: load it into its model first)" if isinstance(model, dict)
                                        else ""))
-    eval_fn = _taking_the_model_alone(eval_fn, eval_args, "eval_fn", "eval_args")
-    run_fn = None if run_fn is None else _taking_the_model_alone(run_fn, run_args, "run_fn", "run_args")
+    eval_fn = _taking_the_model_alone(eval_fn, eval_args, "eval_fn")
+    run_fn = None if run_fn is None else _taking_the_model_alone(run_fn, run_args, "run_fn")
     if run_fn is None and run_args is not None:
         raise EvalFunctionError("run_args were given without run_fn, the function they are passed to")
     device = torch.device(config.device)
@@ -183,14 +183,15 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     return runner
 
 
-def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str,
-                            args_name: str) -> Callable[[nn.Module], Any]:
-    """`fn(model, *args)` as a function of the model alone: INC's eval_fn / eval_args and run_fn / run_args.
+def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> Callable[[nn.Module], Any]:
+    """`fn(model, *args)` as a function of the model alone: INC's eval_fn / eval_args and run_fn / run_args (`name`:
+    "eval_fn" or "run_fn").
 
     Raises:
         EvalFunctionError: fn is not callable, or args is not a tuple or list (one DataLoader given bare would be
             unpacked into its batches).
     """
+    args_name = name.replace("_fn", "_args")
     if not callable(fn):
         raise EvalFunctionError(f"{name} must be callable as {name}(model{f', *{args_name}' if args else ''})"
                                 f"{' -> number' if name == 'eval_fn' else ''}; got {type(fn).__name__}")

@@ -154,8 +154,11 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     found: dict[str, Finalist] = {}
     latency = studies.get_attr(runner.study, "module_latency_ms")
     candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
-    uniform = _without_far_misses(runner, uniform_finalists(candidates, latency))   # once: both log what they leave out
-    own_int8 = _without_far_misses(runner, _own_int8(candidates, uniform))
+    paying = uniform_finalists(candidates, latency)
+    # Once, with the int8 plan the engines with kernels of their own get: both log what they leave out, and the far
+    # misses' check reads the study.
+    every = _without_far_misses(runner, {**paying, **_own_int8(candidates, paying)})
+    uniform = {dtype: plan for dtype, plan in every.items() if dtype in paying}
     knobs = _knobs_to_try(runner, candidates, latency)
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     dropped: dict[str, str] = {}
@@ -167,7 +170,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             dropped[engine_name] = "the run's timeout passed before its finalists were built"
             studies.set_attr(runner.study, "engines_dropped", dropped)
             continue
-        plans = finalist_plans(runner, engine, uniform if _builds_as_trials(engine) else {**uniform, **own_int8})
+        plans = finalist_plans(runner, engine, uniform if _builds_as_trials(engine) else every)
         if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
