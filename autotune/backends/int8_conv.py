@@ -39,7 +39,7 @@ class StaticInt8Conv2d(PackedInt8):
         with quantized_engine(engine):
             self._packed = torch.ops.quantized.conv2d_prepack(
                 qweight, bias, list(conv.stride), list(explicit_padding(conv)), list(conv.dilation), conv.groups)
-        self._keep(qweight, bias)
+        self._keep(qweight, bias, conv.weight.dtype)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
             setattr(self, name, getattr(conv, name))     # what parents read of a conv (Whisper: conv1.stride)

@@ -30,7 +30,7 @@ class DynamicInt8Linear(PackedInt8):
         qweight = per_channel_qweight(linear.weight)
         with quantized_engine(engine):
             self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
-        self._keep(qweight, bias)
+        self._keep(qweight, bias, linear.weight.dtype)
 
     def _unpack(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack(self._packed)[0]

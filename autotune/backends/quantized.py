@@ -158,14 +158,20 @@ class PackedInt8(Int8Kernels):
     `weight` reads as the float tensor the int8 one stands for, dequantised on first read and then kept: parents
     read their children's (`self.wo.weight.dtype` in T5, a tied use). `bias` is the float bias, a frozen
     parameter beside the kernels' own copy, so a model whose every parametrised module is int8 still has
-    parameters (eval code takes its device from `next(model.parameters())`). `weight_nbytes` counts the int8
-    weights and their scales; the bias counts as a parameter."""
+    parameters (eval code takes its device from `next(model.parameters())`). Both are in the dtype the module
+    was given in (`float_dtype`): a model handed over in bf16 casts its hidden states to a child's weight dtype,
+    and transformers reads the model's dtype off its first parameter. `weight_nbytes` counts the int8 weights and
+    their scales; the bias counts as a parameter."""
 
     _packed: torch.ScriptObject
+    float_dtype: torch.dtype = torch.float32    # the default of one saved before it was kept
 
-    def _keep(self, qweight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Registers the float bias and counts the int8 weight's bytes (after packing them)."""
-        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.clone(), requires_grad=False))
+    def _keep(self, qweight: torch.Tensor, bias: torch.Tensor | None, float_dtype: torch.dtype) -> None:
+        """Registers the float bias, in the module's own dtype, and counts the int8 weight's bytes (after packing
+        them)."""
+        self.float_dtype = float_dtype
+        self.register_parameter("bias", None if bias is None
+                                else nn.Parameter(bias.to(float_dtype, copy=True), requires_grad=False))
         self._nbytes = qint8_nbytes(qweight, None)
 
     def _unpack(self) -> torch.Tensor:
@@ -175,5 +181,5 @@ class PackedInt8(Int8Kernels):
     @property
     def weight(self) -> torch.Tensor:
         if "_float_weight" not in self.__dict__:
-            self.__dict__["_float_weight"] = self._unpack().dequantize()
+            self.__dict__["_float_weight"] = self._unpack().dequantize().to(self.float_dtype)
         return self.__dict__["_float_weight"]
