@@ -31,9 +31,10 @@ def is_baseline(plan: Plan) -> bool:
     return all(dtype == "fp32" for dtype in plan.values())
 
 
-def summarize(plan: Plan) -> str:
-    """`int8×2 fp32×1`: how many modules take each dtype, lowered dtypes first (in registration order)."""
-    counts = Counter(plan.values())
+def summarize(plan: Plan, kept: str = "fp32") -> str:
+    """`int8×2 fp32×1`: how many modules take each dtype, lowered dtypes first (in registration order). `kept`
+    names what "fp32" (the module as it is) holds: a model handed over in bf16 keeps its modules bf16."""
+    counts = Counter(kept if dtype == "fp32" else dtype for dtype in plan.values())
     order = [d for d in dtype_names() if d != "fp32"] + ["fp32"]
     order += sorted(set(counts) - set(order))
     return " ".join(f"{dtype}×{counts[dtype]}" for dtype in order if counts[dtype])

@@ -44,6 +44,7 @@ class TuningResult:
     engine: str = "eager"    # how `model` runs: autotune.engines
     shapes: list[ShapeLatency] = field(default_factory=list)   # every shape timed; baseline/best: the first
     knobs: tuple[str, ...] = ()   # model-level knobs `model` runs with: autotune.engines.knobs
+    held: str = "fp32"       # the dtype the model was handed over in: what the baseline and the plan's "fp32" hold
 
     @property
     def speedup(self) -> float:
@@ -53,12 +54,12 @@ class TuningResult:
         return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)
 
     def summary(self) -> str:
-        rows = [("", "fp32 baseline", "tuned"),
+        rows = [("", f"{self.held} baseline", "tuned"),
                 ("accuracy", formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
-        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan)}   engine {engine}",
+        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan, self.held)}   engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         if len(self.shapes) > 1:

@@ -18,7 +18,7 @@ import torch
 from optuna.storages import BaseStorage, RDBStorage
 from torch import nn
 
-from autotune.backends.base import CallInputs
+from autotune.backends import CallInputs, held_dtype
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
@@ -300,4 +300,5 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
         baseline=Measurement(runner.baseline, first["fp32"], weight_bytes(runner.fp32)),
         best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
-        wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs)
+        wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
+        held=held_dtype(runner.fp32))

@@ -118,3 +118,34 @@ def test_modules_the_forward_runs_under_autocast_stay_as_they_are_and_the_others
     timed = autotune(model, TuningConfig(engines=["eager"], max_trials=2, repeats=3, storage=storage,
                                          study_name="timed"), fidelity, example_inputs=X)
     assert "mid.1" not in timed.plan    # the signals time each module alone: it failed there, ending the run
+
+
+class CastsToItsWeights(nn.Module):
+    """A model handed over in bf16 that casts its input to its weights' dtype and returns fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x.to(self.wi.weight.dtype)))).float()
+
+
+def test_a_model_handed_over_in_bf16_is_summarised_in_bf16(storage):
+    """Its plan's "fp32" keeps a module as given, in bf16: the summary says so rather than "fp32"."""
+    result, _ = tune(CastsToItsWeights().to(torch.bfloat16), storage, ["int8", "bf16", "fp32"])
+    summary = result.summary()
+    assert result.held == "bf16" and "bf16 baseline" in summary and "fp32" not in summary
+    assert "plan bf16×" in summary
+
+
+def test_int8_modules_of_a_bf16_model_read_as_bf16():
+    """A parent casting to its child's weight dtype, or transformers reading the model's dtype off its first
+    parameter, must see the dtype the model was given in, not the int8 kernels' fp32 copies."""
+    from autotune import apply_plan
+    model = CastsToItsWeights().to(torch.bfloat16).eval()
+    lowered = apply_plan(model, {"wi": "int8", "wo": "int8"})
+    assert lowered.wi.weight.dtype == torch.bfloat16 and next(lowered.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        reference, out = model(X), lowered(X)
+    assert out.dtype == torch.float32 and (out - reference).norm() / reference.norm() < 0.05

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs, Technique, technique_of
-from autotune.backends.cast import CastConfig, KeepFp32Config
+from autotune.backends.cast import CastConfig, KeepFp32Config, held_dtype
 from autotune.backends.int8_conv import Int8StaticConv1dConfig, Int8StaticConv2dConfig
 from autotune.backends.int8_linear import Int8DynamicConv1DConfig, Int8DynamicLinearConfig
 from autotune.backends.int8_rnn import Int8DynamicRNNConfig
@@ -94,4 +94,4 @@ for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torc
 
 __all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicConv1DConfig", "Int8DynamicLinearConfig",
            "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig", "KeepFp32Config", "Technique",
-           "dtype_names", "dtype_of", "get_backend", "register_technique", "technique_of", "unregister_technique"]
+           "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique", "technique_of", "unregister_technique"]

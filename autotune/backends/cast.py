@@ -2,6 +2,7 @@
 cast back at the module boundary."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,6 +14,13 @@ from autotune.clone import clone
 from autotune.tree import float_tensors, map_tensors
 
 HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def held_dtype(model: nn.Module) -> str:
+    """The dtype name most of a model's floating parameters hold: what a plan's "fp32" (the module as it is)
+    computes in for a model handed over in bf16 or fp16."""
+    counts = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
+    return HALF_NAMES.get(counts.most_common(1)[0][0], "fp32") if counts else "fp32"
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
