@@ -1,6 +1,8 @@
 """Recording what a model and its modules are called with, so tuning can run them without the user's data."""
 from __future__ import annotations
 
+import copy
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +15,43 @@ from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
 
 
+# What a forward cannot change in place; any other object it is called with may be state that it does change.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+              torch.memory_format, enum.Enum, type)
+
+
+def _is_state(leaf: Any) -> bool:
+    return not isinstance(leaf, _IMMUTABLE) and not callable(leaf)
+
+
+def _snapshot(leaf: Any) -> Any:
+    """A copy of an object a forward may change in place (transformers' KV cache, which `generate` passes and the
+    model appends to on every call), or the object itself where it cannot be copied."""
+    try:
+        return copy.deepcopy(leaf) if _is_state(leaf) else leaf
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+        return leaf
+
+
 def detach_clone(value: Any) -> Any:
     """Copies of the tensors in `value`, as normal tensors even when recorded inside the user's
-    `torch.inference_mode()` (an inference tensor cannot go through torch.export or autograd later)."""
+    `torch.inference_mode()` (an inference tensor cannot go through torch.export or autograd later), and of the
+    state objects in it as they were at the call (`_snapshot`)."""
     with torch.inference_mode(False):
-        return map_tensors(value, lambda t: t.detach().clone())
+        return map_tensors(value, lambda t: t.detach().clone(), _snapshot)
+
+
+def holds_state(inputs: CallInputs) -> bool:
+    """Whether recorded inputs hold an object a call may change (a KV cache): each call then gets its own copy
+    (`fresh`), so every call computes what the recorded one did, not on what earlier calls left."""
+    found: list[Any] = []
+    map_tensors(inputs, lambda t: t, lambda leaf: found.append(leaf) if _is_state(leaf) else None)
+    return bool(found)
+
+
+def fresh(inputs: CallInputs) -> CallInputs:
+    """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`)."""
+    return map_tensors(inputs, lambda t: t, _snapshot) if holds_state(inputs) else inputs
 
 
 class _Captured(BaseException):
@@ -110,7 +144,7 @@ def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
 
 
 def call(model: nn.Module, inputs: CallInputs) -> Any:
-    args, kwargs = inputs
+    args, kwargs = fresh(inputs)
     return model(*args, **kwargs)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import explicit_padding, resolve_reduce_range
-from autotune.capture import call
+from autotune.capture import call, fresh
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
@@ -79,7 +79,7 @@ def export(model: nn.Module, inputs, strict: bool = False,
     Raises:
         EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
     """
-    args, kwargs = inputs
+    args, kwargs = fresh(inputs)    # tracing runs the forward, which may add to a cache in the inputs
     output_types_registered(model)
     printed = io.StringIO()    # a failing export prints the graph traced so far: kept for --debug, said if it succeeds
     try:

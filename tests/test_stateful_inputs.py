@@ -1,0 +1,78 @@
+"""Inputs a forward changes in place: transformers' `generate` passes one KV cache object to every step and the model
+appends to it. What the tuner records and replays must compute what the recorded call did."""
+import torch
+from torch import nn
+
+from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune.capture import call, fresh, holds_state, run_capturing
+
+MAX_POSITIONS = 16
+
+
+class KVCache:
+    """Keys appended by every call, as a decoder's cache is."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+
+    def __len__(self):
+        return sum(k.shape[1] for k in self.keys)
+
+
+class TinyDecoder(nn.Module):
+    """Attends over every position cached so far; refuses more than MAX_POSITIONS, as a model with learned
+    position embeddings does."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x, cache: KVCache):
+        if len(cache) + x.shape[1] > MAX_POSITIONS:
+            raise IndexError(f"position {len(cache) + x.shape[1]} is past the {MAX_POSITIONS} the model has")
+        cache.keys.append(self.embed(x))
+        keys = torch.cat(cache.keys, dim=1)
+        return self.head(torch.softmax(keys @ keys.mT, -1) @ keys)[:, -1]
+
+
+def generate(model, prompt, steps=4):
+    """A prompt's prefill, then one position per step, all on one cache."""
+    cache, x, out = KVCache(), prompt, []
+    for _ in range(steps):
+        last = model(x, cache=cache)
+        out.append(last)
+        x = last.unsqueeze(1)
+    return torch.stack(out, 1)
+
+
+PROMPT = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_from_it():
+    torch.manual_seed(0)
+    model = TinyDecoder().eval()
+    with torch.no_grad():
+        _, recorded = run_capturing(model, lambda m: generate(m, PROMPT), stop_early=False)
+        prefill = recorded[0]
+        assert holds_state(prefill) and len(prefill[1]["cache"]) == 0    # as it was at the call, not after it
+        assert len(recorded[1][1]["cache"]) == 6 and not holds_state(((PROMPT,), {"n": 3}))
+        outputs = [call(model, prefill) for _ in range(5)]     # 5 x 6 positions: past the limit if they piled up
+    assert len(prefill[1]["cache"]) == 0 and all(torch.equal(o, outputs[0]) for o in outputs)
+    assert fresh(prefill)[1]["cache"] is not prefill[1]["cache"]
+
+
+def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls(storage):
+    torch.manual_seed(0)
+    model = TinyDecoder().eval()
+    with torch.no_grad():
+        reference = generate(model, PROMPT)
+
+    def eval_fn(m):
+        with torch.no_grad():
+            out = generate(m, PROMPT)
+        return 1 - ((out - reference).norm() / reference.norm()).item()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=0.05, max_trials=4, repeats=5, storage=storage)
+    result = autotune(model, config, eval_fn)
+    assert result.baseline.latency.spread_ms < result.baseline.latency.median_ms
+    assert eval_fn(result.model) >= 0.95 * eval_fn(model)
