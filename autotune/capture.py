@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,10 @@ CALIBRATION_BATCHES = 4   # whole-model batches kept for static activation range
 
 
 def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool,
-                  batches: int = CALIBRATION_BATCHES, called: str = "eval_fn") -> tuple[Any, list[CallInputs]]:
-    """Calls eval_fn(model) and records the first `batches` batches the model sees.
+                  batches: int = CALIBRATION_BATCHES, called: str = "eval_fn",
+                  own_callers: set[str] | None = None) -> tuple[Any, list[CallInputs]]:
+    """Calls eval_fn(model) and records the first `batches` batches the model sees; adds to `own_callers`, where
+    given, the model's own methods that called it (`own_caller`).
 
     With stop_early, eval_fn is abandoned right after them (used when its result is already known).
     Returns (eval_fn's return value or None, the recorded inputs, first batch first); `called` names eval_fn in
@@ -91,6 +94,8 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     recorded: list[CallInputs] = []
 
     def hook(module, args, kwargs):
+        if own_callers is not None and (caller := own_caller(module)):
+            own_callers.add(caller)
         if len(recorded) < batches:
             recorded.append((detach_clone(args), detach_clone(kwargs)))
         if stop_early and len(recorded) >= batches:
@@ -108,6 +113,17 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
         raise EvalFunctionError(f"{called} never called the model it was given, so no example inputs could be "
                                 f"captured; call the model inside {called} or pass example_inputs")
     return result, recorded
+
+
+def own_caller(module: nn.Module) -> str | None:
+    """The method of `module` itself that is calling it now (transformers' `generate` calls `self(...)` at each
+    step), as "Class.method"; None where code outside the module calls it. Called from a forward pre-hook."""
+    frame = inspect.currentframe()
+    while frame is not None and (frame.f_code.co_filename in (__file__, nn.Module.__call__.__code__.co_filename)):
+        frame = frame.f_back      # this function, the hook, and nn.Module's call machinery
+    if frame is None or frame.f_locals.get("self") is not module:
+        return None
+    return frame.f_code.co_qualname
 
 
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:

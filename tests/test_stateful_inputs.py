@@ -34,15 +34,15 @@ class TinyDecoder(nn.Module):
         keys = torch.cat(cache.keys, dim=1)
         return self.head(torch.softmax(keys @ keys.mT, -1) @ keys)[:, -1]
 
-
-def generate(model, prompt, steps=4):
-    """A prompt's prefill, then one position per step, all on one cache."""
-    cache, x, out = KVCache(), prompt, []
-    for _ in range(steps):
-        last = model(x, cache=cache)
-        out.append(last)
-        x = last.unsqueeze(1)
-    return torch.stack(out, 1)
+    def generate(self, prompt, steps=4):
+        """A prompt's prefill, then one position per step, all on one cache, calling `self` as transformers'
+        generate does."""
+        cache, x, out = KVCache(), prompt, []
+        for _ in range(steps):
+            last = self(x, cache=cache)
+            out.append(last)
+            x = last.unsqueeze(1)
+        return torch.stack(out, 1)
 
 
 PROMPT = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
@@ -52,7 +52,7 @@ def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_fro
     torch.manual_seed(0)
     model = TinyDecoder().eval()
     with torch.no_grad():
-        _, recorded = run_capturing(model, lambda m: generate(m, PROMPT), stop_early=False)
+        _, recorded = run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False)
         prefill = recorded[0]
         assert holds_state(prefill) and len(prefill[1]["cache"]) == 0    # as it was at the call, not after it
         assert len(recorded[1][1]["cache"]) == 6 and not holds_state(((PROMPT,), {"n": 3}))
@@ -61,18 +61,33 @@ def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_fro
     assert fresh(prefill)[1]["cache"] is not prefill[1]["cache"]
 
 
-def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls(storage):
+def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_never_compiled(storage):
+    """Its generate calls the module itself, so a compiled wrapper handed to eval_fn would run none of its compiled
+    code there: the compiling engines are left out, saying why, rather than timed on calls eval_fn never makes."""
     torch.manual_seed(0)
     model = TinyDecoder().eval()
     with torch.no_grad():
-        reference = generate(model, PROMPT)
+        reference = model.generate(PROMPT)
 
     def eval_fn(m):
         with torch.no_grad():
-            out = generate(m, PROMPT)
+            out = m.generate(PROMPT)
         return 1 - ((out - reference).norm() / reference.norm()).item()
-    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
                           tolerable_loss=0.05, max_trials=4, repeats=5, storage=storage)
     result = autotune(model, config, eval_fn)
     assert result.baseline.latency.spread_ms < result.baseline.latency.median_ms
     assert eval_fn(result.model) >= 0.95 * eval_fn(model)
+    dropped = result.study.user_attrs["autotune.engines_dropped"]
+    assert result.engine == "eager" and set(dropped) == set(config.engines) - {"eager"}
+    assert all("own methods (TinyDecoder.generate)" in reason for reason in dropped.values())
+
+
+def test_own_caller_names_the_models_method_calling_it_and_nothing_else():
+    model = TinyDecoder().eval()
+    callers: set[str] = set()
+    with torch.no_grad():
+        run_capturing(model, lambda m: m(PROMPT, cache=KVCache()), stop_early=False, own_callers=callers)
+        assert callers == set()
+        run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False, own_callers=callers)
+    assert callers == {"TinyDecoder.generate"}

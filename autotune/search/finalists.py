@@ -28,6 +28,7 @@ from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, uniform_plan
+from autotune.search.scores import OWN_CALLERS_ATTR
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -165,9 +166,8 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        if suffix and _past(deadline):
-            log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine_name)
-            dropped[engine_name] = "the run's timeout passed before its finalists were built"
+        if suffix and (reason := _not_built(runner, engine_name, deadline)):
+            dropped[engine_name] = reason
             studies.set_attr(runner.study, "engines_dropped", dropped)
             continue
         plans = finalist_plans(runner, engine, uniform if _builds_as_trials(engine) else every)
@@ -188,6 +188,25 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
+
+
+def _not_built(runner: TrialRunner, engine_name: str, deadline: float | None) -> str | None:
+    """Why a compiling engine's finalists are not built (logged once), or None."""
+    if _past(deadline):
+        log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine_name)
+        return "the run's timeout passed before its finalists were built"
+    callers = studies.get_attr(runner.study, OWN_CALLERS_ATTR)
+    if not callers:
+        return None
+    # torch.compile's wrapper compiles the calls made to it; the model's own methods call the module beneath it.
+    reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which call the module itself "
+              "rather than the compiled wrapper eval_fn would be handed: compiled code would be timed that eval_fn "
+              "never runs")
+    compiling = [name for name in runner.config.engines if name != "eager"]
+    if engine_name == compiling[0]:
+        log.warning("the %s engine%s not used: %s", ", ".join(compiling), "s are" if len(compiling) > 1 else " is",
+                    reason)
+    return reason
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,

@@ -54,12 +54,12 @@ def failing_as_the_baseline() -> Iterator[None]:
                                 f"{type(exc).__name__}: {exc}") from exc
 
 
-def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
-                      config: TuningConfig) -> tuple[float, list[CallInputs]]:
+def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], config: TuningConfig,
+                      own_callers: set[str] | None = None) -> tuple[float, list[CallInputs]]:
     """eval_fn's score of a copy of the fp32 model, checked usable as the base of the configured loss, and the
-    first batches eval_fn fed it."""
+    first batches eval_fn fed it; the model's own methods that called it go to `own_callers`, where given."""
     with failing_as_the_baseline():
-        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False)
+        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, own_callers=own_callers)
         baseline = score_of(returned)
     if config.loss_kind == "relative" and baseline == 0:
         # A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone.
@@ -67,6 +67,11 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
                           "drop; set loss_kind: absolute (tolerable_loss is then in eval_fn's units)",
                           [("loss_kind", "relative to a baseline of 0")])
     return baseline, batches
+
+
+# The model's own methods that eval_fn reached it through (transformers' generate): they call the module itself, so
+# a compiled wrapper handed to eval_fn runs none of its compiled code there (autotune.search.finalists).
+OWN_CALLERS_ATTR = "model_called_by_its_methods"
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
@@ -81,7 +86,9 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         stored = studies.get_attr(study, studies.BASELINE_ATTR)
         if stored is not None:
             return stored, None
-        baseline, batches = evaluate_baseline(fp32, eval_fn, config)
+        own_callers: set[str] = set()
+        baseline, batches = evaluate_baseline(fp32, eval_fn, config, own_callers)
+        studies.set_attr(study, OWN_CALLERS_ATTR, sorted(own_callers))
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
     return baseline, batches
