@@ -1,6 +1,7 @@
 """The one interface every engine implements."""
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ COMPILE_MODE = "autotune_compile_mode"
 RECOMPILE_LIMIT = 256
 _OPTIONS = set(inspect.signature(torch.compile).parameters)
 
+# A mark (like COMPILE_MODE) on a model whose own methods call it (transformers' `generate` calls `self(...)` at
+# every step): torch.compile's wrapper compiles only the calls made to the wrapper, so such a model is compiled in
+# place instead (`nn.Module.compile`), on a copy sharing its modules, and its methods' calls run compiled.
+CALLS_ITSELF = "autotune_calls_itself"
+
 
 def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False,
                   dynamic: bool | None = None, options: dict[str, Any] | None = None) -> nn.Module:
@@ -39,8 +45,13 @@ def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = Fa
     compiles only (torch.compile takes them or a mode, not both)."""
     _give_own_forward(model)
     limits = {"isolate_recompiles": True} if alone else {"recompile_limit": RECOMPILE_LIMIT}
-    return torch.compile(model, mode=mode, dynamic=dynamic, options=options,
-                         **{key: value for key, value in limits.items() if key in _OPTIONS})
+    settings = dict(mode=mode, dynamic=dynamic, options=options,
+                    **{key: value for key, value in limits.items() if key in _OPTIONS})
+    if getattr(model, CALLS_ITSELF, False):
+        compiled = copy.copy(model)    # its own object, sharing the model's modules and tensors
+        compiled.compile(**settings)
+        return compiled
+    return torch.compile(model, **settings)
 
 
 def _give_own_forward(model: nn.Module) -> None:
@@ -73,6 +84,8 @@ def compile_runnable(built: nn.Module) -> nn.Module:
 def how_to_compile(loaded: str, built: nn.Module) -> str:
     """How a user compiles what `save` wrote (`loaded`: the expression that loads it) as `runnable` does."""
     mode = getattr(built, COMPILE_MODE, None)
+    if getattr(built, CALLS_ITSELF, False):
+        return f"model = {loaded}; model.compile({f'mode={mode!r}' if mode else ''})"
     return f"torch.compile({loaded}, mode={mode!r})" if mode else f"torch.compile({loaded})"
 
 
@@ -91,6 +104,7 @@ class Calibration:
 
 class Engine(Protocol):
     name: str
+    keeps_model: bool    # whether what runs is the model's own class, its methods (generate) reaching the plan
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         """Why this engine cannot realise `plan` on the model `fp32`, or None if it can."""

@@ -14,6 +14,7 @@ from autotune.plan import Plan, apply_plan
 @dataclass(frozen=True)
 class EagerEngine:
     name: str = "eager"
+    keeps_model: bool = True
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         return None

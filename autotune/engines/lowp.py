@@ -43,6 +43,7 @@ def _cast_at_edges(module: nn.Module, inside: torch.dtype, outside: torch.dtype)
 @dataclass(frozen=True)
 class LowPrecisionEngine:
     name: str = "lowp"
+    keeps_model: bool = True
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         lowered = set(plan.values()) - {"fp32"}

@@ -193,6 +193,7 @@ def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphMo
 @dataclass(frozen=True)
 class CompiledEngine:
     name: str = "compiled"
+    keeps_model: bool = False   # an exported graph: the model's methods are not on it
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         other = sorted(set(plan.values()) - REALISED)

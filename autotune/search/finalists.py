@@ -13,6 +13,7 @@ from torch import nn
 
 from autotune.capture import call
 from autotune.engines import (
+    CALLS_ITSELF,
     KNOBS,
     Calibration,
     CompileCache,
@@ -166,7 +167,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        if suffix and (reason := _not_built(runner, engine_name, deadline)):
+        if suffix and (reason := _not_built(runner, engine, deadline)):
             dropped[engine_name] = reason
             studies.set_attr(runner.study, "engines_dropped", dropped)
             continue
@@ -190,23 +191,18 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     return found
 
 
-def _not_built(runner: TrialRunner, engine_name: str, deadline: float | None) -> str | None:
-    """Why a compiling engine's finalists are not built (logged once), or None."""
+def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> str | None:
+    """Why a compiling engine's finalists are not built (logged), or None."""
     if _past(deadline):
-        log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine_name)
+        log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine.name)
         return "the run's timeout passed before its finalists were built"
     callers = studies.get_attr(runner.study, OWN_CALLERS_ATTR)
-    if not callers:
-        return None
-    # torch.compile's wrapper compiles the calls made to it; the model's own methods call the module beneath it.
-    reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which call the module itself "
-              "rather than the compiled wrapper eval_fn would be handed: compiled code would be timed that eval_fn "
-              "never runs")
-    compiling = [name for name in runner.config.engines if name != "eager"]
-    if engine_name == compiling[0]:
-        log.warning("the %s engine%s not used: %s", ", ".join(compiling), "s are" if len(compiling) > 1 else " is",
-                    reason)
-    return reason
+    if callers and not engine.keeps_model:
+        reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's "
+                  "model does not have")
+        log.warning("the %s engine is not used: %s", engine.name, reason)
+        return reason
+    return None
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
@@ -323,6 +319,8 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         raise
     except Exception as exc:   # the libraries an engine builds with raise many kinds
         raise EngineUnavailable(f"{engine.name}: building the plan failed: {describe(exc)}") from exc
+    if studies.get_attr(runner.study, OWN_CALLERS_ATTR):
+        setattr(built, CALLS_ITSELF, True)   # so eval_fn's calls through its methods run compiled (CALLS_ITSELF)
     runnable = engine.runnable(built)
     try:
         with torch.inference_mode():
