@@ -251,7 +251,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
             batches = example_or_batches(fp32, eval_fn, None, device)
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
     candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
-    shapes = latency_shapes(config, batches[0], device, fp32)
+    shapes = latency_shapes(config, batches, device, fp32)
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()}

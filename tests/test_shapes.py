@@ -112,10 +112,10 @@ def bag_inputs(rows: int = 8, per_row: int = 5):
 
 def test_the_batch_is_the_first_dimension_most_inputs_share_so_an_embedding_bag_resizes():
     captured = bag_inputs()
-    shapes = latency_shapes(TuningConfig(latency_inputs=[{"batch": 1}]), captured, torch.device("cpu"), Bags())
+    shapes = latency_shapes(TuningConfig(latency_inputs=[{"batch": 1}]), [captured], torch.device("cpu"), Bags())
     assert shapes[0].name == "batch 1"
     assert [t.shape[0] for t in shapes[0].inputs[0]] == [40, 1, 1]   # offsets and dense rows cut, indices kept
-    assert latency_shapes(TuningConfig(), captured, torch.device("cpu"))[0].name == "batch 8"
+    assert latency_shapes(TuningConfig(), [captured], torch.device("cpu"))[0].name == "batch 8"
 
 
 def test_a_shape_the_model_cannot_run_is_a_config_error_naming_it():
@@ -124,7 +124,7 @@ def test_a_shape_the_model_cannot_run_is_a_config_error_naming_it():
     config = TuningConfig(latency_inputs=[{"batch": 1}, {"batch": 32}])
     with pytest.raises(ConfigError, match=r"latency_inputs.1: the fp32 model fails on the inputs of shape "
                                           r"'batch 32': RuntimeError: .*give a factory for this shape"):
-        latency_shapes(config, bag_inputs(), torch.device("cpu"), Bags())
+        latency_shapes(config, [bag_inputs()], torch.device("cpu"), Bags())
 
 
 def batch_of_ones(rows: int = 2):
@@ -134,10 +134,10 @@ def batch_of_ones(rows: int = 2):
 def test_shapes_come_from_factories_by_callable_or_import_path_with_their_names():
     config = TuningConfig(latency_inputs=[{"factory": batch_of_ones, "kwargs": {"rows": 3}},
                                           {"factory": "test_shapes:batch_of_ones", "name": "server", "weight": 2}])
-    shapes = latency_shapes(config, ((torch.zeros(5, WIDTH),), {}), torch.device("cpu"))
+    shapes = latency_shapes(config, [((torch.zeros(5, WIDTH),), {})], torch.device("cpu"))
     assert [(s.name, s.inputs[0][0].shape[0], s.weight) for s in shapes] == [("batch_of_ones", 3, 1.0),
                                                                               ("server", 2, 2.0)]
-    default = latency_shapes(TuningConfig(), ((torch.zeros(5, WIDTH),), {}), torch.device("cpu"))
+    default = latency_shapes(TuningConfig(), [((torch.zeros(5, WIDTH),), {})], torch.device("cpu"))
     assert [(s.name, s.weight) for s in default] == [("batch 5", 1.0)]
 
 
@@ -145,21 +145,24 @@ def test_shapes_come_from_factories_by_callable_or_import_path_with_their_names(
     ([{"factory": "test_shapes:missing"}], r"latency_inputs.0.factory: .*has no attribute 'missing'"),
     ([{"factory": batch_of_ones, "kwargs": {"rows": -1}}], r"latency_inputs.0.factory: batch_of_ones.*raised"),
     ([{"batch": 1}, {"batch": 8}, {"batch": 1}], r"two shapes are named alike"),
+    ([{"call": 1}], r"latency_inputs.0.call: the model's calls recorded are 1 \(calls 0 to 0\), so call 1 cannot"),
 ])
 def test_shapes_that_cannot_be_built_raise_config_errors_naming_the_field(entries, message):
     config = TuningConfig(latency_inputs=entries)
     with pytest.raises(ConfigError, match=message):
-        latency_shapes(config, ((torch.zeros(5, WIDTH),), {}), torch.device("cpu"))
+        latency_shapes(config, [((torch.zeros(5, WIDTH),), {})], torch.device("cpu"))
 
 
 def test_a_batch_of_inputs_without_a_batch_dimension_is_refused():
     with pytest.raises(ConfigError, match="latency_inputs.0.batch: the captured inputs have no batch dimension"):
-        latency_shapes(TuningConfig(latency_inputs={"batch": 4}), ((torch.tensor(1.0),), {}), torch.device("cpu"))
+        latency_shapes(TuningConfig(latency_inputs={"batch": 4}), [((torch.tensor(1.0),), {})], torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"batch": 0}, "latency_inputs.0.batch"),
-    ({"batch": 2, "factory": "a:b"}, "give batch or factory, not both"),
+    ({"batch": 2, "factory": "a:b"}, "give factory, or batch and call"),
+    ({"call": 1, "factory": "a:b"}, "give factory, or batch and call"),
+    ({"call": -1}, "greater than or equal to 0"),
     ({"batch": 2, "weight": 0}, "latency_inputs.0.weight"),
     ({"factory": "nocolon"}, "not an import path"),
     ({"batch": 2, "kwargs": {"a": 1}}, "kwargs belong to factory"),

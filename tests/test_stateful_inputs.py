@@ -114,3 +114,22 @@ def test_own_caller_names_the_models_method_calling_it_and_nothing_else():
         assert callers == set()
         run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False, own_callers=callers)
     assert callers == {"TinyDecoder.generate"}
+
+
+def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage):
+    """`latency_inputs` picks recorded calls: the prompt's (call 0) and a step's, one position on a cache of the
+    prompt's 6 (call 1), weighted as a generation of 3 new positions calls them."""
+    torch.manual_seed(0)
+    model = TinyDecoder().eval()
+    with torch.no_grad():
+        reference = model.generate(PROMPT)
+
+    def eval_fn(m):
+        with torch.no_grad():
+            return 1 - ((m.generate(PROMPT) - reference).norm() / reference.norm()).item()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=0.05, max_trials=3, repeats=5, storage=storage,
+                          latency_inputs=[{"call": 0}, {"call": 1, "weight": 3}])
+    result = autotune(model, config, eval_fn)
+    assert [(shape.name, shape.weight) for shape in result.shapes] == [("call 0, batch 4", 1.0),
+                                                                      ("call 1, batch 4", 3.0)]

@@ -44,7 +44,7 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
         tuning = tuning.model_copy(update={"latency_inputs": [LatencyInput(batch=size) for size in shapes]})
     applied = apply_saved_plan(config, plan_path)
     device = torch.device(tuning.device)
-    at = latency_shapes(tuning, applied.batches[0], device, applied.fp32)
+    at = latency_shapes(tuning, applied.batches, device, applied.fp32)
     plan_name = f"plan ({applied.engine})"
     models = {"fp32": applied.fp32, plan_name: get_engine(applied.engine).runnable(applied.built)}
     allocation_while_timing(tuning.steady_allocation)     # timed as the tuner timed it

@@ -117,10 +117,15 @@ class LatencyInput(ConfigModel):
 
     Give `batch` (the captured batch, its rows cut or repeated to that many) or `factory` (a callable, or in YAML
     an import path 'package.module:name', called with `kwargs`, returning inputs as example_inputs takes them);
-    neither means the captured batch itself.
+    neither means the captured batch itself. `call` picks which of the model's recorded calls is the captured
+    batch: a model eval_fn calls several ways per input, as `generate` calls it once on the prompt and then once
+    per new token, is timed at each way with its weight.
     """
 
     batch: int | None = Field(None, ge=1)
+    call: int | None = Field(None, ge=0, description="the model's call to time, as eval_fn made it (0: its first "
+                             "call; example_inputs and run_fn's batches come first where given); the first 4 are "
+                             "recorded. Default: the first")
     factory: str | Callable[..., Any] | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
     weight: float = Field(1.0, gt=0, description="its latency ratio's weight in the weighted mean of all shapes'")
@@ -135,8 +140,8 @@ class LatencyInput(ConfigModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> LatencyInput:
-        if self.batch is not None and self.factory is not None:
-            raise ValueError("give batch or factory, not both")
+        if self.factory is not None and (self.batch is not None or self.call is not None):
+            raise ValueError("give factory, or batch and call: a factory makes its own inputs")
         if self.kwargs and self.factory is None:
             raise ValueError("kwargs belong to factory")
         return self
@@ -145,8 +150,11 @@ class LatencyInput(ConfigModel):
         """What the study records of this shape (a callable by its qualified name)."""
         factory = self.factory if isinstance(self.factory, str) or self.factory is None else \
             f"{getattr(self.factory, '__module__', '?')}:{getattr(self.factory, '__qualname__', repr(self.factory))}"
-        return json.dumps({"batch": self.batch, "factory": factory, "kwargs": self.kwargs, "weight": self.weight,
-                           "name": self.name}, sort_keys=True, default=str)
+        described = {"batch": self.batch, "factory": factory, "kwargs": self.kwargs, "weight": self.weight,
+                     "name": self.name}
+        if self.call is not None:    # only then: the studies made before it was a field read the same
+            described["call"] = self.call
+        return json.dumps(described, sort_keys=True, default=str)
 
 
 class TuningConfig(ConfigModel):

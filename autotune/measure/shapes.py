@@ -49,32 +49,39 @@ def resize_batch(inputs: CallInputs, batch: int) -> CallInputs:
     return map_tensors(inputs, resize)
 
 
-def _shape(entry: LatencyInput, index: int, captured: CallInputs, device: torch.device) -> Shape:
+def _shape(entry: LatencyInput, index: int, recorded: list[CallInputs], device: torch.device) -> Shape:
     field = f"latency_inputs.{index}"
     if entry.factory is not None:
         made = call_factory(entry.factory, entry.kwargs, f"{field}.factory")
         inputs = to_device(as_call_inputs(made, f"{field}.factory"), device)
         default = entry.factory if isinstance(entry.factory, str) else getattr(entry.factory, "__name__", "factory")
         return Shape(entry.name or default.rpartition(":")[2], inputs, entry.weight)
+    if (entry.call or 0) >= len(recorded):
+        raise ConfigError(f"{field}.call: the model's calls recorded are {len(recorded)} (calls 0 to "
+                          f"{len(recorded) - 1}), so call {entry.call} cannot be timed",
+                          [(f"{field}.call", "not among the recorded calls")])
+    captured = recorded[entry.call or 0]
     if entry.batch is not None and batch_size(captured) is None:
         raise ConfigError(f"{field}.batch: the captured inputs have no batch dimension to resize; give a factory",
                           [(f"{field}.batch", "no batch dimension")])
     inputs = captured if entry.batch is None else resize_batch(captured, entry.batch)
     size = batch_size(inputs)
-    return Shape(entry.name or (f"batch {size}" if size is not None else "example"), inputs, entry.weight)
+    default = f"batch {size}" if size is not None else "example"
+    return Shape(entry.name or (default if entry.call is None else f"call {entry.call}, {default}"), inputs,
+                 entry.weight)
 
 
-def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.device,
+def latency_shapes(config: TuningConfig, recorded: list[CallInputs], device: torch.device,
                    fp32: nn.Module | None = None) -> list[Shape]:
-    """The configured shapes, built from the captured batch or the factories; [the captured batch] by default.
-    Each configured one is run on `fp32` once, where given.
+    """The configured shapes, built from the recorded calls (the first by default) or the factories; [the first
+    recorded call] by default. Each configured one is run on `fp32` once, where given.
 
     Raises:
         ConfigError: a factory failed, a batch cannot be resized, two shapes share a name, or the model fails on
             a shape's inputs.
     """
     entries = config.latency_inputs or [LatencyInput()]
-    shapes = [_shape(entry, index, captured, device) for index, entry in enumerate(entries)]
+    shapes = [_shape(entry, index, recorded, device) for index, entry in enumerate(entries)]
     names = [shape.name for shape in shapes]
     if len(set(names)) != len(names):
         raise ConfigError(f"latency_inputs: two shapes are named alike ({names}); give each a name",
@@ -85,7 +92,7 @@ def latency_shapes(config: TuningConfig, captured: CallInputs, device: torch.dev
             raise ConfigError(
                 f"latency_inputs.{index}: the fp32 model fails on the inputs of shape {shape.name!r}: {reason}"
                 + ("; a batch is resized by cutting or repeating every input tensor whose first dimension is the "
-                   f"captured batch ({batch_size(captured)}), so give a factory for this shape" if resized else ""),
+                   f"captured batch ({batch_size(recorded[0])}), so give a factory for this shape" if resized else ""),
                 [(f"latency_inputs.{index}", "the model fails on these inputs")])
     return shapes
 
