@@ -62,10 +62,8 @@ def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_fro
     assert fresh(prefill)[1]["cache"] is not prefill[1]["cache"]
 
 
-def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_compiled_in_place(storage):
-    """Its generate calls the module itself, which torch.compile's wrapper would not reach: the inductor engine
-    compiles the model in place, and the compiled engine, whose exported graph has no generate, is left out
-    saying why."""
+def tune_by_generation(config: TuningConfig):
+    """A TinyDecoder tuned by how closely its generate follows the fp32 one's: (model, result, eval_fn)."""
     torch.manual_seed(0)
     model = TinyDecoder().eval()
     with torch.no_grad():
@@ -73,12 +71,18 @@ def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_co
 
     def eval_fn(m):
         with torch.no_grad():
-            out = m.generate(PROMPT)
-        return 1 - ((out - reference).norm() / reference.norm()).item()
+            return 1 - ((m.generate(PROMPT) - reference).norm() / reference.norm()).item()
+    return model, autotune(model, config, eval_fn), eval_fn
+
+
+def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_compiled_in_place(storage):
+    """Its generate calls the module itself, which torch.compile's wrapper would not reach: the inductor engine
+    compiles the model in place, and the compiled engine, whose exported graph has no generate, is left out
+    saying why."""
     config = TuningConfig(engines=["eager", "compiled", "inductor"], tolerable_loss=0.05, max_trials=4, repeats=5,
                           config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), storage=storage)
-    result = autotune(model, config, eval_fn)   # with a cache piling up over the timed calls, the model raises
-    assert eval_fn(result.model) >= 0.95 * eval_fn(model)
+    model, result, fidelity = tune_by_generation(config)   # a cache piling up over the timed calls: the model raises
+    assert fidelity(result.model) >= 0.95 * fidelity(model)
     assert result.study.user_attrs["autotune.engines_dropped"] == {
         "compiled": "eval_fn runs the model through its own methods (TinyDecoder.generate), which this engine's "
                     "model does not have"}
@@ -119,17 +123,9 @@ def test_own_caller_names_the_models_method_calling_it_and_nothing_else():
 def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage):
     """`latency_inputs` picks recorded calls: the prompt's (call 0) and a step's, one position on a cache of the
     prompt's 6 (call 1), weighted as a generation of 3 new positions calls them."""
-    torch.manual_seed(0)
-    model = TinyDecoder().eval()
-    with torch.no_grad():
-        reference = model.generate(PROMPT)
-
-    def eval_fn(m):
-        with torch.no_grad():
-            return 1 - ((m.generate(PROMPT) - reference).norm() / reference.norm()).item()
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
                           tolerable_loss=0.05, max_trials=3, repeats=5, storage=storage,
                           latency_inputs=[{"call": 0}, {"call": 1, "weight": 3}])
-    result = autotune(model, config, eval_fn)
+    _, result, _ = tune_by_generation(config)
     assert [(shape.name, shape.weight) for shape in result.shapes] == [("call 0, batch 4", 1.0),
                                                                       ("call 1, batch 4", 3.0)]
