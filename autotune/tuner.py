@@ -254,7 +254,12 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     shapes = latency_shapes(config, batches, device, fp32)
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
-    candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()}
+    unknown = sorted(set(candidates) - set(latency))
+    if unknown:   # eval_fn reaches modules now that it did not when the study measured its signals
+        log.warning("%d module(s) the study has no signals for stay as they are (%s): its signals were measured "
+                    "when eval_fn did not call them; tune them in a new study", len(unknown), ", ".join(unknown))
+    candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
+                  if name in latency}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
 
 

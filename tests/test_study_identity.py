@@ -76,3 +76,30 @@ def test_a_bf16_copy_of_a_model_is_another_set_of_weights(storage):
     half = sim.model().to(torch.bfloat16)
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01)
     assert study_name_for(half, config, storage=open_storage(storage)) == f"{first.study.study_name}.2"
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x, use_b=False):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+def test_resuming_a_study_whose_signals_lack_a_module_called_now_keeps_that_module_as_it_is(storage, caplog):
+    """The study's signals were measured when eval_fn never reached `b`; a later run of it that does reach `b` tunes
+    what the study knows and says what it leaves (it crashed with a KeyError)."""
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(32, 64)
+
+    def agreement(use_b):
+        reference = model(x, use_b=use_b).argmax(-1)
+        return lambda m: float((m(x, use_b=use_b).argmax(-1) == reference).float().mean())
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=2, repeats=3, study_name="branchy", storage=storage)
+    autotune(model, config, agreement(False))
+    resumed = autotune(model, config, agreement(True))
+    assert "b" not in resumed.plan and type(resumed.model.b) is torch.nn.Linear
+    assert "1 module(s) the study has no signals for stay as they are (b)" in caplog.text
