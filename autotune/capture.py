@@ -15,7 +15,6 @@ from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
 
-
 # What a forward cannot change in place; any other object it is called with may be state that it does change.
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
               torch.memory_format, enum.Enum, type)

@@ -94,4 +94,5 @@ for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torc
 
 __all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicConv1DConfig", "Int8DynamicLinearConfig",
            "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig", "KeepFp32Config", "Technique",
-           "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique", "technique_of", "unregister_technique"]
+           "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique", "technique_of",
+           "unregister_technique"]

@@ -47,6 +47,6 @@ def get_engine(name: str) -> Engine:
         raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["CALLS_ITSELF", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine", "EngineUnavailable", "ENGINES",
-           "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine", "get_engine", "realise",
-           "with_knobs"]
+__all__ = ["CALLS_ITSELF", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine",
+           "EngineUnavailable", "ENGINES", "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine",
+           "get_engine", "realise", "with_knobs"]
