@@ -1,10 +1,12 @@
 """Recording what a model and its modules are called with, so tuning can run them without the user's data."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,11 +82,38 @@ def as_call_inputs(example_inputs: Any, field: str = "example_inputs") -> CallIn
 CALIBRATION_BATCHES = 4   # whole-model batches kept for static activation ranges (the compiled engine)
 
 
+@dataclass
+class HowCalled:
+    """What eval_fn's calls of the model were like: the model's own methods that made them (`own_caller`), and the
+    autograd modes they ran in (`grad_mode`)."""
+    own_callers: set[str] = field(default_factory=set)
+    grad_modes: set[str] = field(default_factory=set)
+
+    def saw(self, module: nn.Module) -> None:
+        if caller := own_caller(module):
+            self.own_callers.add(caller)
+        self.grad_modes.add(grad_mode())
+
+
+def grad_mode() -> str:
+    """The autograd mode a call runs in now: "inference_mode", "no_grad" or "grad"."""
+    if torch.is_inference_mode_enabled():
+        return "inference_mode"
+    return "grad" if torch.is_grad_enabled() else "no_grad"
+
+
+def without_autograd(mode: str | None) -> contextlib.AbstractContextManager:
+    """What the tuner's own calls of a model eval_fn will call run under: torch.no_grad where eval_fn's calls ran
+    so, else torch.inference_mode. A compiled model's graphs are made per mode: ones made under inference_mode were
+    made again in eval_fn's first no_grad call (minutes on a large model)."""
+    return torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+
+
 def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool,
                   batches: int = CALIBRATION_BATCHES, called: str = "eval_fn",
-                  own_callers: set[str] | None = None) -> tuple[Any, list[CallInputs]]:
-    """Calls eval_fn(model) and records the first `batches` batches the model sees; adds to `own_callers`, where
-    given, the model's own methods that called it (`own_caller`).
+                  how: HowCalled | None = None) -> tuple[Any, list[CallInputs]]:
+    """Calls eval_fn(model) and records the first `batches` batches the model sees, and in `how`, where given,
+    what every call was like.
 
     With stop_early, eval_fn is abandoned right after them (used when its result is already known).
     Returns (eval_fn's return value or None, the recorded inputs, first batch first); `called` names eval_fn in
@@ -93,8 +122,8 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     recorded: list[CallInputs] = []
 
     def hook(module, args, kwargs):
-        if own_callers is not None and (caller := own_caller(module)):
-            own_callers.add(caller)
+        if how is not None:
+            how.saw(module)
         if len(recorded) < batches:
             recorded.append((detach_clone(args), detach_clone(kwargs)))
         if stop_early and len(recorded) >= batches:

@@ -1136,6 +1136,8 @@ class SecondCallDiffers(nn.Module):
 
 
 def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_the_race(caplog):
+    from types import SimpleNamespace
+
     from autotune.measure.shapes import Shape
     from autotune.search.finalists import Finalist, _settled
 
@@ -1149,7 +1151,8 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
     found = {"settles": finalist(SecondCallDiffers()), "breaks": finalist(SecondCallDiffers(fails_later=True)),
              "eager": finalist(SecondCallDiffers(), compiled=False)}
     with caplog.at_level(logging.WARNING, logger="autotune"):
-        kept = _settled(found, [Shape("example", ((x,), {}), 1.0)])
+        runner = SimpleNamespace(shapes=[Shape("example", ((x,), {}), 1.0)], study=SimpleNamespace(user_attrs={}))
+        kept = _settled(found, runner)   # a study whose eval_fn's grad mode is not known: inference_mode
     assert set(kept) == {"settles", "eager"}
     assert "breaks is left out: a call after its first failed: ValueError: only the first call works" in caplog.text
     assert kept["settles"].setup_s > 1.0 and kept["eager"].setup_s == 1.0   # eager code is not called again
@@ -1206,3 +1209,20 @@ def test_a_uniform_plan_never_tried_is_no_finalist_where_a_part_of_it_missed_by_
     with caplog.at_level("INFO", logger="autotune"):
         assert _without_far_misses(runner, uniform) == {"bf16": uniform["bf16"]}
     assert "uniform int8 is not a finalist: int8×2 fp32×1, a part of it, lost 20.0 tolerances" in caplog.text
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_compiled_finalists_are_compiled_for_the_grad_mode_eval_fn_calls_them_in(tmp_path, grad_mode):
+    """A compiled model's graphs are made per autograd mode: finalists settled under inference_mode were compiled
+    again in eval_fn's torch.no_grad (a Mamba's evaluation for the win took 173 s more of compiling). Here eval_fn
+    refuses to compile anything, so the compiled finalist wins only if it arrives compiled for eval_fn's mode."""
+    model, x = mlp(), batches(1)[0][0][0]
+    with torch.no_grad():
+        reference = model(x)
+
+    def eval_fn(net):
+        with grad_mode(), torch.compiler.set_stance("fail_on_recompile"):
+            return 1 - ((net(x) - reference).norm() / reference.norm()).item()
+    result = autotune(model, config(tmp_path, engines=["inductor"]), eval_fn, x, measurer=CompiledIsFaster())
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
+    assert result.engine == "inductor" and not any("eval_fn failed" in outcome for outcome in evaluated.values())

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.capture import call, fresh, holds_state, run_capturing
+from autotune.capture import HowCalled, call, fresh, holds_state, run_capturing
 from autotune.engines import CALLS_ITSELF, compile_model
 
 MAX_POSITIONS = 16
@@ -110,14 +110,15 @@ def test_a_model_marked_as_calling_itself_is_compiled_in_place_so_its_methods_ru
     assert type(compiled) is Probe and compiled is not in_place and compiled.embed is in_place.embed
 
 
-def test_own_caller_names_the_models_method_calling_it_and_nothing_else():
+def test_how_called_names_the_models_method_calling_it_and_the_grad_mode_and_nothing_else():
     model = TinyDecoder().eval()
-    callers: set[str] = set()
+    direct, generating = HowCalled(), HowCalled()
     with torch.no_grad():
-        run_capturing(model, lambda m: m(PROMPT, cache=KVCache()), stop_early=False, own_callers=callers)
-        assert callers == set()
-        run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False, own_callers=callers)
-    assert callers == {"TinyDecoder.generate"}
+        run_capturing(model, lambda m: m(PROMPT, cache=KVCache()), stop_early=False, how=direct)
+    with torch.inference_mode():
+        run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False, how=generating)
+    assert direct == HowCalled(set(), {"no_grad"})
+    assert generating == HowCalled({"TinyDecoder.generate"}, {"inference_mode"})
 
 
 def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage):

@@ -15,7 +15,7 @@ import platform
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -170,6 +170,12 @@ def _timer(model: nn.Module, inputs: CallInputs, threads: int, name: str) -> ben
                            globals={"model": model, "args": inputs[0], "kwargs": inputs[1]})
 
 
+def _no_autograd() -> AbstractContextManager:
+    """torch.inference_mode, unless the caller runs without autograd already (capture.without_autograd: under
+    eval_fn's torch.no_grad, where a compiled model's graphs for it were made)."""
+    return torch.inference_mode() if torch.is_grad_enabled() else nullcontext()
+
+
 def _clock() -> float:
     """Seconds, after the accelerator's queued work (as Timer's own clock)."""
     if torch.cuda.is_available():
@@ -186,7 +192,7 @@ def _timed_call_s(model: nn.Module, inputs: CallInputs) -> float:
 def timed_call_ms(model: nn.Module, inputs: CallInputs, num_threads: int | None = None) -> float:
     """ms of one call of `model`: a one-sample look (a model's first call includes its one-time costs), for
     telling apart variants an order of magnitude apart before timing the rest in rounds."""
-    with fixed_threads(num_threads or torch.get_num_threads()), torch.inference_mode():
+    with fixed_threads(num_threads or torch.get_num_threads()), _no_autograd():
         return _timed_call_s(model, inputs) * 1e3
 
 
@@ -205,7 +211,7 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
     timers = _timers(models, per_model, threads)
     names = list(models)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    with fixed_threads(threads), torch.inference_mode():
+    with fixed_threads(threads), _no_autograd():
         long_calls: set[str] = set()
         untold = set() if warmup else set(names)   # long or not, told by their first sample
         for name in names if warmup else ():   # what a first call needs (compilation, lazy initialisation, caches)

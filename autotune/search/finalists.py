@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from optuna.trial import FrozenTrial
 from torch import nn
 
-from autotune.capture import call
+from autotune.capture import call, without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
     KNOBS,
@@ -28,9 +29,9 @@ from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
-from autotune.measure.shapes import Shape, weighted_ratio
+from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, summarize, uniform_plan
-from autotune.search.scores import OWN_CALLERS_ATTR
+from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -194,7 +195,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
         if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
-            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, deadline), runner.shapes)
+            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, deadline), runner)
             found.update(built)
             engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
             if engine_knobs and built and not (suffix and _past(deadline)):
@@ -204,7 +205,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             dropped[engine_name] = str(exc)
             studies.set_attr(runner.study, "engines_dropped", dropped)
-    found = _settled(found, runner.shapes)
+    found = _settled(found, runner)
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
@@ -294,10 +295,11 @@ def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
     """`models` timed together with fp32 at every shape, in at most `repeats` rounds: the timings, and each one's
     (and fp32's) weighted ratio to fp32. The models were called at every shape as they were built and settled
     (_ready, _settled); fp32 is called at each here, so none needs a warm-up call."""
-    with torch.inference_mode():
+    with as_eval_fn_calls(runner):
         for shape in runner.shapes:
             call(runner.fp32, shape.inputs)
-    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, repeats, warmup=0)
+        by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, **models}, runner.shapes, repeats,
+                                    warmup=0)
     return by_shape, {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
                       for name in ["fp32", *models]}
 
@@ -342,7 +344,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         setattr(built, CALLS_ITSELF, True)   # so eval_fn's calls through its methods run compiled (CALLS_ITSELF)
     runnable = engine.runnable(built)
     try:
-        with torch.inference_mode():
+        with as_eval_fn_calls(runner):
             for shape in runner.shapes:
                 call(runnable, shape.inputs)
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
@@ -356,7 +358,7 @@ def _say_ready(name: str, finalist: Finalist) -> None:
         log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
 
 
-def _settled(found: dict[str, Finalist], shapes: list[Shape]) -> dict[str, Finalist]:
+def _settled(found: dict[str, Finalist], runner: TrialRunner) -> dict[str, Finalist]:
     """`found`, with every compiled finalist called at every shape until a pass compiles nothing more (at most
     SETTLE_PASSES passes; the seconds go to its setup_s), so the race times compiled code, not compiling. One call
     at a shape is not always the last compile there: dynamo may then make a size dynamic (one block class run at
@@ -365,12 +367,13 @@ def _settled(found: dict[str, Finalist], shapes: list[Shape]) -> dict[str, Final
     race timed inductor finalists at up to 155x fp32's time that way, and never chose them. A finalist whose calls
     now fail (they did not at first) is left out with its reason logged."""
     compiled = {name: finalist for name, finalist in found.items() if finalist.runnable is not finalist.built}
+    shapes = runner.shapes
     for _ in range(SETTLE_PASSES):
         compiling = False
         for name, finalist in list(compiled.items()):
             started = time.perf_counter()
             try:
-                with torch.inference_mode():
+                with as_eval_fn_calls(runner):
                     try:
                         with torch.compiler.set_stance("fail_on_recompile"):
                             for shape in shapes:
@@ -393,6 +396,11 @@ def _builds_as_trials(engine: Engine) -> bool:
     """Whether `engine` builds plans as the trials ran them (modules swapped, eagerly), so that what accuracy is
     measured on is the same model: the eager engine, and the inductor engine, which compiles only what it times."""
     return type(engine).build is EagerEngine.build
+
+
+def as_eval_fn_calls(runner: TrialRunner) -> AbstractContextManager:
+    """The autograd mode eval_fn called the model in (capture.without_autograd), for calls of finalists."""
+    return without_autograd(studies.get_attr(runner.study, GRAD_MODE_ATTR))
 
 
 def fp32_plan(runner: TrialRunner) -> Plan:

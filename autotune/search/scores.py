@@ -21,7 +21,7 @@ from optuna.storages import RDBStorage
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import run_capturing
+from autotune.capture import HowCalled, run_capturing
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.errors import ConfigError, EvalFunctionError
@@ -55,11 +55,11 @@ def failing_as_the_baseline() -> Iterator[None]:
 
 
 def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], config: TuningConfig,
-                      own_callers: set[str] | None = None) -> tuple[float, list[CallInputs]]:
+                      how: HowCalled | None = None) -> tuple[float, list[CallInputs]]:
     """eval_fn's score of a copy of the fp32 model, checked usable as the base of the configured loss, and the
-    first batches eval_fn fed it; the model's own methods that called it go to `own_callers`, where given."""
+    first batches eval_fn fed it; what its calls were like goes to `how`, where given."""
     with failing_as_the_baseline():
-        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, own_callers=own_callers)
+        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, how=how)
         baseline = score_of(returned)
     if config.loss_kind == "relative" and baseline == 0:
         # A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone.
@@ -72,6 +72,7 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
 # The model's own methods that eval_fn reached it through (transformers' generate): they call the module itself, so
 # a compiled wrapper handed to eval_fn runs none of its compiled code there (autotune.search.finalists).
 OWN_CALLERS_ATTR = "model_called_by_its_methods"
+GRAD_MODE_ATTR = "eval_grad_mode"   # the autograd mode of eval_fn's calls of the model (capture.grad_mode)
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
@@ -86,9 +87,10 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         stored = studies.get_attr(study, studies.BASELINE_ATTR)
         if stored is not None:
             return stored, None
-        own_callers: set[str] = set()
-        baseline, batches = evaluate_baseline(fp32, eval_fn, config, own_callers)
-        studies.set_attr(study, OWN_CALLERS_ATTR, sorted(own_callers))
+        how = HowCalled()
+        baseline, batches = evaluate_baseline(fp32, eval_fn, config, how)
+        studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
+        studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
     return baseline, batches

@@ -16,7 +16,7 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, plan_key
-from autotune.search.finalists import Finalist, finalists, fp32_plan, race
+from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, fp32_plan, race
 from autotune.search.scores import score_of
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
@@ -61,8 +61,8 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
         if ratio[name] >= (1.0 if best is None else best.ratio * (1 - OUTRACED)):
             break
         if best is not None:
-            log.warning("%s, timed again on its own, ran at %.2f of fp32's time, where %s raced at %.2f: trying it "
-                        "too", best.name, best.ratio, name, ratio[name])
+            log.warning("%s, timed again on its own, ran at %.2f of fp32's time, where %s raced at %.2f: trying "
+                        "%s too", best.name, best.ratio, name, ratio[name], name)
         finalist = candidates[name]
         accuracy = verdicts.passing_score(name, finalist)
         if accuracy is None:
@@ -152,8 +152,9 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
     which reads high (3-19 % on unseen models), so the speedup reported is this one. Where it then runs no faster
     than fp32, the next finalist is tried (on a busy host a ResNet's race timed an fp16 plan at 0.49x fp32, alone it
     ran at 1.14x, and fp32 eager was returned where the fp32 plan compiled ran 1.5x faster)."""
-    by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, name: finalist.runnable}, runner.shapes,
-                                runner.config.repeats, warmup=0)
+    with as_eval_fn_calls(runner):
+        by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32, name: finalist.runnable}, runner.shapes,
+                                    runner.config.repeats, warmup=0)
     ratio = weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
     return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name), ratio,
                   finalist.setup_s, finalist.knobs, name)
