@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import optuna
 from torch import nn
 
-from autotune.measure.latency import LatencyStats
+from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
 
 
@@ -53,13 +53,20 @@ class TuningResult:
             return 1.0 / self.best.latency.ratio_to(self.baseline.latency)
         return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)
 
+    def _noise(self) -> str:
+        """How far off the speedup may be, where the timing behind it was noisy (see `autotune bench`)."""
+        timed = [(s.best, s.fp32) for s in self.shapes] or [(self.best.latency, self.baseline.latency)]
+        off = max(best.ratio_uncertainty(fp32) for best, fp32 in timed)
+        return f" (±{100 * off:.0f} %: timed on a busy machine)" if off > UNCERTAIN_RATIO else ""
+
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),
                 ("accuracy", formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
-        lines = [table(rows), f"speedup {self.speedup:.2f}x   plan {summarize(self.plan, self.held)}   engine {engine}",
+        lines = [table(rows), f"speedup {self.speedup:.2f}x{self._noise()}   plan {summarize(self.plan, self.held)}   "
+                              f"engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         if len(self.shapes) > 1:

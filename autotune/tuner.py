@@ -33,7 +33,7 @@ from autotune.discovery import (
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
-from autotune.measure.latency import LatencyStats, device_name
+from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats, device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
@@ -273,7 +273,6 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
     return reason
 
 
-UNCERTAIN_RATIO = 0.1   # a speedup known to no better than ±10 %: the machine was busy while it was timed
 
 
 def _warn_if_uncertain(by_shape: dict[str, dict[str, LatencyStats]]) -> None:

@@ -28,6 +28,7 @@ from autotune.capture import call, holds_state
 
 MIN_ROUNDS = 3
 PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds
+UNCERTAIN_RATIO = 0.1   # a ratio known to no better than ±10 %: the machine was busy while it was timed
 BLOCK_S = 1e-4        # seconds: calls shorter than this are timed in blocks
 LONG_CALL_S = 0.01    # seconds: calls this long are sampled without a warm-up call before each
 FAR_SLOWER = 2.0      # a variant whose faster sample took this many times the fastest's slower one is out at once
