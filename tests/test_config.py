@@ -75,3 +75,11 @@ def test_accuracy_loss_kinds(kind, higher, baseline, accuracy, loss):
     config = TuningConfig(loss_kind=kind, higher_is_better=higher, tolerable_loss=0.03)
     assert config.accuracy_loss(baseline, accuracy) == pytest.approx(loss)
     assert config.passes(baseline, accuracy) == (loss <= 0.03)
+
+
+def test_a_device_nested_thousands_deep_is_a_config_error_naming_it_not_a_recursion_error():
+    device: object = "cuda"
+    for _ in range(5000):
+        device = {"a": device}
+    with pytest.raises(ConfigError, match="device"):
+        TuningConfig.from_mapping({"device": device})
