@@ -222,10 +222,12 @@ class TuningConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _default_engines_for_the_device(cls, data: Any) -> Any:
-        device = data.get("device", "cpu") if isinstance(data, dict) else "cpu"
-        # Only a string names a device: str() of any other value is left to the field's own error (a dict nested
-        # thousands deep overflowed the stack in repr).
-        if isinstance(device, str) and "engines" not in data and not device.startswith("cpu"):
+        if not isinstance(data, dict) or "engines" in data:
+            return data
+        device = data.get("device", "cpu")
+        # Only a string names a device: any other value is left to the field's own error (str() of a dict nested
+        # thousands deep overflowed the stack).
+        if isinstance(device, str) and not device.startswith("cpu"):
             data = {**data, "engines": [engine for engine in ENGINE_NAMES if engine not in CPU_ONLY_ENGINES]}
         return data
 
