@@ -57,7 +57,7 @@ class TuningResult:
         """How far off the speedup may be, where the timing behind it was noisy (see `autotune bench`)."""
         timed = [(s.best, s.fp32) for s in self.shapes] or [(self.best.latency, self.baseline.latency)]
         off = max(best.ratio_uncertainty(fp32) for best, fp32 in timed)
-        return f" (±{100 * off:.0f} %: timed on a busy machine)" if off > UNCERTAIN_RATIO else ""
+        return f" (±{100 * off:.0f} %: noisy timing)" if off > UNCERTAIN_RATIO else ""
 
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),
