@@ -335,3 +335,19 @@ def test_a_dataset_the_evaluator_cannot_use_is_a_config_error_naming_it(tmp_path
     result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
     assert_clear_error(result, *named)
     assert "Generating train split" not in result.output     # datasets' progress bars
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_apply_says_to_compile_in_place_a_plan_of_a_model_its_own_methods_call(tuned, in_place):
+    """A study whose eval_fn ran the model through its own methods (generate) exports `compile_in_place`, and the
+    saved model is to be compiled so (`model.compile()`): torch.compile's wrapper would not reach generate's calls."""
+    folder, config, storage, _ = tuned
+    plan_file, out = folder / f"inductor-{in_place}.json", folder / f"inductor-{in_place}.pt"
+    assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    exported = json.loads(plan_file.read_text())
+    assert "compile_in_place" not in exported     # MNIST's eval_fn calls the model itself
+    plan_file.write_text(json.dumps({**exported, "engine": "inductor", "compile_in_place": in_place}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(out), env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert ("model.compile()" in result.output) is in_place
+    assert ("torch.compile(torch.load(" in result.output) is not in_place

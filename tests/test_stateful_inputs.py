@@ -1,10 +1,14 @@
 """Inputs a forward changes in place: transformers' `generate` passes one KV cache object to every step and the model
 appends to it. What the tuner records and replays must compute what the recorded call did."""
+import json
+
 import torch
+from click.testing import CliRunner
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.capture import HowCalled, call, fresh, holds_state, run_capturing
+from autotune.cli import main
 from autotune.engines import CALLS_ITSELF, compile_model
 
 MAX_POSITIONS = 16
@@ -83,6 +87,8 @@ def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_co
                           config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), storage=storage)
     model, result, fidelity = tune_by_generation(config)   # a cache piling up over the timed calls: the model raises
     assert fidelity(result.model) >= 0.95 * fidelity(model)
+    exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
+    assert exported.exit_code == 0 and json.loads(exported.output)["compile_in_place"] is True   # for `apply`
     assert result.study.user_attrs["autotune.engines_dropped"] == {
         "compiled": "eval_fn runs the model through its own methods (TinyDecoder.generate), which this engine's "
                     "model does not have"}

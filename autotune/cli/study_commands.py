@@ -31,10 +31,11 @@ from autotune.cli.base import (
 from autotune.clone import clone
 from autotune.config import FileConfig, TuningConfig, load_config
 from autotune.discovery import search_candidates, uncompiled
-from autotune.engines import ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
+from autotune.engines import CALLS_ITSELF, ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import formatted, table
+from autotune.search.scores import OWN_CALLERS_ATTR
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, shown
@@ -215,6 +216,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
+    if studies.get_attr(study, OWN_CALLERS_ATTR):    # eval_fn ran it through generate: compiled in place
+        data["compile_in_place"] = True
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:
@@ -224,9 +227,10 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         click.echo(text, nl=False)
 
 
-def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...]]:
-    """(plan, engine, knobs) of a plan file from `autotune export` (JSON or YAML), or of a bare {module: dtype}
-    mapping (the eager engine, no knobs)."""
+def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...], bool]:
+    """(plan, engine, knobs, compile in place) of a plan file from `autotune export` (JSON or YAML), or of a bare
+    {module: dtype} mapping (the eager engine, no knobs; a compiling engine compiles through torch.compile's
+    wrapper)."""
     try:
         data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
     except yaml.YAMLError as exc:
@@ -240,7 +244,7 @@ def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...]]:
     knobs = data.get("knobs") or [] if "plan" in data else []
     if not isinstance(knobs, list) or not all(knob in KNOBS for knob in knobs):
         raise CliError(f"{path}: knobs must be a list of {sorted(KNOBS)}; got {knobs!r}")
-    return plan, engine, tuple(knobs)
+    return plan, engine, tuple(knobs), "plan" in data and data.get("compile_in_place") is True
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
@@ -277,8 +281,10 @@ class AppliedPlan:
 
 def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     """The config's model with the plan file's plan realised in its recorded engine."""
-    plan, engine, knobs = read_plan(plan_path)
+    plan, engine, knobs, in_place = read_plan(plan_path)
     model = uncompiled(config.build_model()).eval().to(torch.device(config.tuning.device))
+    if in_place:   # its own methods call it (generate): a compiling engine compiles it in place, as tuning did
+        setattr(model, CALLS_ITSELF, True)
     try:
         validate_plan(plan, search_candidates(model, config.tuning))
     except PlanError as exc:
