@@ -127,7 +127,15 @@ def test_how_called_names_the_models_method_calling_it_and_the_grad_mode_and_not
     assert generating == HowCalled({"TinyDecoder.generate"}, {"inference_mode"})
 
 
-def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage):
+def test_generation_timed_at_its_prompt_alone_says_how_to_time_the_steps_too(storage, caplog):
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
+    tune_by_generation(config)
+    assert ("eval_fn calls the model through its own methods (TinyDecoder.generate), and only its first call is "
+            "timed") in caplog.text and "latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]" in caplog.text
+
+
+def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage, caplog):
     """`latency_inputs` picks recorded calls: the prompt's (call 0) and a step's, one position on a cache of the
     prompt's 6 (call 1), weighted as a generation of 3 new positions calls them."""
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
@@ -136,3 +144,4 @@ def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(sto
     _, result, _ = tune_by_generation(config)
     assert [(shape.name, shape.weight) for shape in result.shapes] == [("call 0, batch 4", 1.0),
                                                                       ("call 1, batch 4", 3.0)]
+    assert "only its first call is timed" not in caplog.text

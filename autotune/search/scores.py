@@ -90,6 +90,11 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         how = HowCalled()
         baseline, batches = evaluate_baseline(fp32, eval_fn, config, how)
         studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
+        if how.own_callers and not config.latency_inputs:
+            log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
+                        "to time the calls after it too (generate's steps), weighted by how many follow each first "
+                        "one, set latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]",
+                        ", ".join(sorted(how.own_callers)))
         studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
