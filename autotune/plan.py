@@ -21,6 +21,11 @@ def plan_key(plan: Plan) -> str:
     return json.dumps(dict(sorted(plan.items())), separators=(",", ":"))
 
 
+def plan_of_key(key: str) -> Plan:
+    """The plan `plan_key` made `key` of."""
+    return json.loads(key)
+
+
 def plan_id(plan: Plan) -> str:
     """A short id telling plans apart where a summary (`int8×1 fp32×3`) cannot: 8 hex digits of the key's sha1."""
     return hashlib.sha1(plan_key(plan).encode()).hexdigest()[:8]

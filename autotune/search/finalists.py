@@ -3,7 +3,6 @@ uniform plans, fp32, each knob on the engine's fastest), built, called until the
 together against fp32 (`race`)."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from contextlib import AbstractContextManager
@@ -30,7 +29,7 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
-from autotune.plan import Plan, is_baseline, plan_key, summarize, uniform_plan
+from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
@@ -141,7 +140,7 @@ def _lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None,
     lowered = {name for name, chosen in plan.items() if chosen == dtype}
     worst: tuple[float | None, str] = (None, "")
     for key, tried in runner.outcomes.items():
-        part = json.loads(key)
+        part = plan_of_key(key)
         changed = {name for name, chosen in part.items() if chosen != "fp32"}
         if (changed and changed <= lowered and all(part[name] == dtype for name in changed)
                 and tried.tolerances_lost is not None and tried.tolerances_lost > (worst[0] or 0.0)):
