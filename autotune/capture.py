@@ -7,12 +7,14 @@ import enum
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.config.tuning import LatencyInput
 from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
 from autotune.tree import map_tensors
@@ -84,15 +86,38 @@ CALIBRATION_BATCHES = 4   # whole-model batches kept for static activation range
 
 @dataclass
 class HowCalled:
-    """What eval_fn's calls of the model were like: the model's own methods that made them (`own_caller`), and the
-    autograd modes they ran in (`grad_mode`)."""
+    """What eval_fn's calls of the model were like: the model's own methods that made them (as "Class.method"), the
+    autograd modes they ran in (`grad_mode`), and how many calls each of those methods' runs made (`first_calls`
+    began one, `later_calls` followed within it: generate's steps); `later` holds, for the first
+    CALIBRATION_BATCHES calls, whether each was a later one."""
     own_callers: set[str] = field(default_factory=set)
     grad_modes: set[str] = field(default_factory=set)
+    first_calls: int = 0
+    later_calls: int = 0
+    later: list[bool] = field(default_factory=list)
+    _run: FrameType | None = field(default=None, repr=False, compare=False)   # the run the last call was in
 
     def saw(self, module: nn.Module) -> None:
-        if caller := own_caller(module):
-            self.own_callers.add(caller)
+        callers = _own_callers(module)
+        if callers:
+            self.own_callers.add(callers[0].f_code.co_qualname)
+        # A run is the outermost method of the module's on the stack (generate, whose _prefill makes the first call
+        # and _sample the rest). A frame held here is not reused: the next run is another frame object.
+        is_later = bool(callers) and callers[-1] is self._run
+        self.first_calls, self.later_calls = self.first_calls + (not is_later), self.later_calls + is_later
+        if len(self.later) < CALIBRATION_BATCHES:
+            self.later.append(is_later)
+        self._run = callers[-1] if callers else None
         self.grad_modes.add(grad_mode())
+
+    def calls_to_time(self) -> list[LatencyInput]:
+        """Where the model's own methods call it again and again (generate's steps after the prompt's call), the
+        recorded calls that stand for both kinds: the first (call 0) and the first later one, weighted by how many
+        of each eval_fn made; [] where every call began a run (the first recorded call stands for them all)."""
+        if not self.later_calls or True not in self.later:
+            return []
+        return [LatencyInput(call=0), LatencyInput(call=self.later.index(True),
+                                                   weight=round(self.later_calls / self.first_calls, 2))]
 
 
 def grad_mode() -> str:
@@ -143,15 +168,21 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     return result, recorded
 
 
-def own_caller(module: nn.Module) -> str | None:
-    """The method of `module` itself that is calling it now (transformers' `generate` calls `self(...)` at each
-    step), as "Class.method"; None where code outside the module calls it. Called from a forward pre-hook."""
+def _own_callers(module: nn.Module) -> list[FrameType]:
+    """The frames of the methods of `module` itself on the stack, innermost first, where one of them is calling it
+    now (transformers' `generate` calls `self(...)` at each step); [] where code outside the module calls it.
+    Called from a forward pre-hook."""
     frame = inspect.currentframe()
     while frame is not None and (frame.f_code.co_filename in (__file__, nn.Module.__call__.__code__.co_filename)):
-        frame = frame.f_back      # this function, the hook, and nn.Module's call machinery
+        frame = frame.f_back      # this module's functions, the hook, and nn.Module's call machinery
     if frame is None or frame.f_locals.get("self") is not module:
-        return None
-    return frame.f_code.co_qualname
+        return []
+    callers = []
+    while frame is not None:
+        if frame.f_locals.get("self") is module:
+            callers.append(frame)
+        frame = frame.f_back
+    return callers
 
 
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:

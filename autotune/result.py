@@ -53,11 +53,16 @@ class TuningResult:
             return 1.0 / self.best.latency.ratio_to(self.baseline.latency)
         return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)
 
+    def noisy_shapes(self) -> dict[str, float]:
+        """{shape: how far off its speedup may be, as a share} where the timing behind it was too noisy to trust
+        (worse than ±UNCERTAIN_RATIO: another load on the machine; `autotune bench` times it again)."""
+        timed = {s.name: (s.best, s.fp32) for s in self.shapes} or {"": (self.best.latency, self.baseline.latency)}
+        return {name: off for name, (best, fp32) in timed.items() if (off := best.ratio_uncertainty(fp32))
+                > UNCERTAIN_RATIO}
+
     def _noise(self) -> str:
-        """How far off the speedup may be, where the timing behind it was noisy (see `autotune bench`)."""
-        timed = [(s.best, s.fp32) for s in self.shapes] or [(self.best.latency, self.baseline.latency)]
-        off = max(best.ratio_uncertainty(fp32) for best, fp32 in timed)
-        return f" (±{100 * off:.0f} %: noisy timing)" if off > UNCERTAIN_RATIO else ""
+        noisy = self.noisy_shapes()
+        return f" (±{100 * max(noisy.values()):.0f} %: noisy timing)" if noisy else ""
 
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),

@@ -21,7 +21,7 @@ from torch import nn
 from autotune.backends import CallInputs, held_dtype
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.clone import clone
-from autotune.config.tuning import TuningConfig
+from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.discovery import (
     called_candidates,
     module_groups,
@@ -33,13 +33,13 @@ from autotune.discovery import (
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import EvalFunctionError, NoTunableModulesError
 from autotune.measure.allocator import allocation_while_timing
-from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats, device_name
+from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
-from autotune.search.scores import failing_as_the_baseline, study_baseline
+from autotune.search.scores import TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
 from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials
 from autotune.search.winner import verified_winner
@@ -238,11 +238,12 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
             measurer: Measurer, first: bool = False) -> _Setup:
     """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`)."""
     batches, eval_calls, device = None, 0, torch.device(config.device)
-    if example_inputs is not None or run_fn is not None:
+    given = example_inputs is not None or run_fn is not None
+    if given:
         batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
     elif first:
         # The baseline's call captures the inputs too, so it comes first here (none stored it before).
-        _, batches = study_baseline(study, storage, fp32, eval_fn, config)
+        _, batches = study_baseline(study, storage, fp32, eval_fn, config, records_timed_calls=True)
         eval_calls += batches is not None
     if batches is None:
         # eval_fn is started for its first batches and abandoned: one call, cut short.
@@ -251,7 +252,9 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
             batches = example_or_batches(fp32, eval_fn, None, device)
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
     candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
-    shapes = latency_shapes(config, batches, device, fp32)
+    timed_calls = None if given else studies.get_attr(study, TIMED_CALLS_ATTR)
+    shapes = latency_shapes(config, batches, device, fp32,
+                            [LatencyInput.model_validate(call) for call in timed_calls or []])
     studies.check_shapes(study, config, {shape.name: shape.weight for shape in shapes})
     sensitivity, latency = cached_signals(study, measurer, fp32, candidates, batches[0], calibration, shapes)
     unknown = sorted(set(candidates) - set(latency))
@@ -275,34 +278,27 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 
 
 
-def _warn_if_uncertain(by_shape: dict[str, dict[str, LatencyStats]]) -> None:
-    """Says so when the timing behind the reported speedup was too noisy to trust (another load on the machine):
-    when it stopped (at `repeats` rounds, or once the winner was clearly faster than fp32), the winner's ratio to
-    fp32 was known to no better than ±UNCERTAIN_RATIO."""
-    uncertain = [f"±{100 * off:.0f} % at {shape}" for shape, timed in by_shape.items()
-                 if (off := timed["best"].ratio_uncertainty(timed["fp32"])) > UNCERTAIN_RATIO]
-    if uncertain:
-        log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
-                    "quiet machine (`autotune bench`)", ", ".join(uncertain))
-
-
 @_fewer_collections()
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner, started + runner.config.timeout if runner.config.timeout else None)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
-    _warn_if_uncertain(winner.by_shape)
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
     studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                      "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
                                      "knobs": list(winner.knobs), "finalist": winner.name,
                                      "speedup_by_shape": {shape.name: shape.speedup for shape in shapes}})
-    return TuningResult(
+    result = TuningResult(
         model=winner.model, plan=winner.plan, study=study,
         baseline=Measurement(runner.baseline, first["fp32"], weight_bytes(runner.fp32)),
         best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
         held=held_dtype(runner.fp32))
+    if noisy := result.noisy_shapes():
+        log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
+                    "quiet machine (`autotune bench`)", ", ".join(f"±{100 * off:.0f} % at {name}"
+                                                                  for name, off in noisy.items()))
+    return result

@@ -158,6 +158,22 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
     assert order == ["allocation True", "timing"]     # timed as the tuner timed it: the config's steady allocation
 
 
+def test_bench_times_the_calls_the_plan_file_names_where_the_config_names_none(tuned):
+    """`export` writes the calls a study chose to time (a generation's first call and steps); bench times those."""
+    folder, config, storage, _ = tuned
+    plan_file = folder / "timed-calls.json"
+    assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    exported = json.loads(plan_file.read_text())
+    assert "latency_inputs" not in exported       # MNIST's eval_fn calls the model itself
+    plan_file.write_text(json.dumps({**exported, "latency_inputs": [{"call": 0, "weight": 2}]}))
+    result = run("bench", str(plan_file), "--config", str(config), "--repeats", "3", env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^call 0, batch \d+ \(weight 2\): ", result.output, re.MULTILINE), result.output
+    plan_file.write_text(json.dumps({**exported, "latency_inputs": [{"call": -1}]}))
+    result = run("bench", str(plan_file), "--config", str(config), env={"TUNE_DIR": str(folder)})
+    assert_clear_error(result, "latency_inputs", "greater than or equal to 0")
+
+
 @pytest.mark.parametrize("shapes", ["0,8", "one", "1,,2"])
 def test_bench_refuses_shapes_that_are_not_batch_sizes(tuned, shapes):
     folder, config, _, _ = tuned

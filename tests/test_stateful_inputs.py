@@ -1,12 +1,13 @@
 """Inputs a forward changes in place: transformers' `generate` passes one KV cache object to every step and the model
 appends to it. What the tuner records and replays must compute what the recorded call did."""
 import json
+import logging
 
 import torch
 from click.testing import CliRunner
 from torch import nn
 
-from autotune import MixedPrecisionConfig, TuningConfig, autotune
+from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune
 from autotune.capture import HowCalled, call, fresh, holds_state, run_capturing
 from autotune.cli import main
 from autotune.engines import CALLS_ITSELF, compile_model
@@ -66,7 +67,7 @@ def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_fro
     assert fresh(prefill)[1]["cache"] is not prefill[1]["cache"]
 
 
-def tune_by_generation(config: TuningConfig):
+def tune_by_generation(config: TuningConfig, example_inputs=None):
     """A TinyDecoder tuned by how closely its generate follows the fp32 one's: (model, result, eval_fn)."""
     torch.manual_seed(0)
     model = TinyDecoder().eval()
@@ -76,7 +77,7 @@ def tune_by_generation(config: TuningConfig):
     def eval_fn(m):
         with torch.no_grad():
             return 1 - ((m.generate(PROMPT) - reference).norm() / reference.norm()).item()
-    return model, autotune(model, config, eval_fn), eval_fn
+    return model, autotune(model, config, eval_fn, example_inputs=example_inputs), eval_fn
 
 
 def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_compiled_in_place(storage):
@@ -89,6 +90,7 @@ def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_co
     assert fidelity(result.model) >= 0.95 * fidelity(model)
     exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
     assert exported.exit_code == 0 and json.loads(exported.output)["compile_in_place"] is True   # for `apply`
+    assert json.loads(exported.output)["latency_inputs"] == [{"call": 0}, {"call": 1, "weight": 3.0}]  # for bench
     assert result.study.user_attrs["autotune.engines_dropped"] == {
         "compiled": "eval_fn runs the model through its own methods (TinyDecoder.generate), which this engine's "
                     "model does not have"}
@@ -116,23 +118,71 @@ def test_a_model_marked_as_calling_itself_is_compiled_in_place_so_its_methods_ru
     assert type(compiled) is Probe and compiled is not in_place and compiled.embed is in_place.embed
 
 
-def test_how_called_names_the_models_method_calling_it_and_the_grad_mode_and_nothing_else():
+class SplitDecoder(TinyDecoder):
+    """Generates as transformers' generate does: one method calls the model on the prompt, another at each step."""
+
+    @torch.no_grad()
+    def generate(self, prompt, steps=4):
+        cache = KVCache()
+        out = [self._prefill(prompt, cache)]
+        return torch.stack(self._sample(out, cache, steps - 1), 1)
+
+    def _prefill(self, prompt, cache):
+        return self(prompt, cache=cache)
+
+    def _sample(self, out, cache, steps):
+        for _ in range(steps):
+            out.append(self(out[-1].unsqueeze(1), cache=cache))
+        return out
+
+
+def test_calls_of_one_generation_made_by_several_of_its_methods_count_as_one_run():
+    how = HowCalled()
+    run_capturing(SplitDecoder().eval(), lambda m: (m.generate(PROMPT), m.generate(PROMPT)), stop_early=False,
+                  how=how)
+    assert how.own_callers == {"SplitDecoder._prefill", "SplitDecoder._sample"}
+    assert (how.first_calls, how.later_calls) == (2, 6)
+    assert how.calls_to_time() == [LatencyInput(call=0), LatencyInput(call=1, weight=3.0)]
+
+
+def test_how_called_names_the_models_method_calling_it_the_grad_mode_and_the_calls_each_run_made():
     model = TinyDecoder().eval()
     direct, generating = HowCalled(), HowCalled()
     with torch.no_grad():
         run_capturing(model, lambda m: m(PROMPT, cache=KVCache()), stop_early=False, how=direct)
     with torch.inference_mode():
-        run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False, how=generating)
-    assert direct == HowCalled(set(), {"no_grad"})
-    assert generating == HowCalled({"TinyDecoder.generate"}, {"inference_mode"})
+        run_capturing(model, lambda m: (m.generate(PROMPT), m.generate(PROMPT, steps=3)), stop_early=False,
+                      how=generating)
+    assert direct == HowCalled(set(), {"no_grad"}, first_calls=1, later_calls=0, later=[False])
+    assert direct.calls_to_time() == []      # its one call stands for itself
+    assert generating == HowCalled({"TinyDecoder.generate"}, {"inference_mode"}, first_calls=2, later_calls=5,
+                                   later=[False, True, True, True])
+    assert generating.calls_to_time() == [LatencyInput(call=0), LatencyInput(call=1, weight=2.5)]
 
 
-def test_generation_timed_at_its_prompt_alone_says_how_to_time_the_steps_too(storage, caplog):
+def test_generation_with_example_inputs_timed_at_them_alone_says_how_to_time_the_steps_too(storage, caplog):
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
                           tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
-    tune_by_generation(config)
+    _, result, _ = tune_by_generation(config, example_inputs=((PROMPT,), {"cache": KVCache()}))
+    assert [shape.name for shape in result.shapes] == ["batch 4"]
     assert ("eval_fn calls the model through its own methods (TinyDecoder.generate), and only its first call is "
             "timed") in caplog.text and "latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]" in caplog.text
+
+
+def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_as_eval_fn_made_them(storage, caplog):
+    """With no latency_inputs, the calls to time are chosen from what the baseline's eval_fn call saw: generate
+    called the model once on the prompt and 3 times after it, and a resumed run times the same."""
+    caplog.set_level(logging.INFO, logger="autotune")
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
+    _, result, _ = tune_by_generation(config)
+    assert [(shape.name, shape.weight) for shape in result.shapes] == [("call 0, batch 4", 1.0),
+                                                                      ("call 1, batch 4", 3.0)]
+    assert "weighted 1 : 3" in caplog.text and "only its first call is timed" not in caplog.text
+    _, resumed, _ = tune_by_generation(config.model_copy(update={"max_trials": 3}))
+    assert resumed.study.study_name == result.study.study_name
+    assert [(shape.name, shape.weight) for shape in resumed.shapes] == [("call 0, batch 4", 1.0),
+                                                                       ("call 1, batch 4", 3.0)]
 
 
 def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage, caplog):

@@ -33,16 +33,18 @@ def batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="the YAML config the model comes from")
 @click.option("--shapes", callback=batch_sizes, default=None,
               help="batch sizes to time at, e.g. 1,64 (the captured batch resized) [default: the config's "
-                   "latency_inputs, else the captured batch]")
+                   "latency_inputs, else the plan file's, else the captured batch]")
 @click.option("--repeats", type=click.IntRange(min=3), default=None,
               help="most timing rounds per shape [default: the config's repeats]")
 def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: int | None) -> None:
     """Time a saved PLAN against fp32 at several input shapes (torch.utils.benchmark Compare table)."""
     config = load_config(config_path)
     tuning = config.tuning
+    applied = apply_saved_plan(config, plan_path)
     if shapes is not None:
         tuning = tuning.model_copy(update={"latency_inputs": [LatencyInput(batch=size) for size in shapes]})
-    applied = apply_saved_plan(config, plan_path)
+    elif not tuning.latency_inputs and applied.latency_inputs:    # the calls tuning chose to time (a generation's)
+        tuning = tuning.model_copy(update={"latency_inputs": applied.latency_inputs})
     device = torch.device(tuning.device)
     at = latency_shapes(tuning, applied.batches, device, applied.fp32)
     plan_name = f"plan ({applied.engine})"

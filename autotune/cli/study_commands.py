@@ -16,6 +16,7 @@ import click
 import optuna
 import torch
 import yaml
+from pydantic import ValidationError
 
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
@@ -29,13 +30,13 @@ from autotune.cli.base import (
     writable,
 )
 from autotune.clone import clone
-from autotune.config import FileConfig, TuningConfig, load_config
+from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
 from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import CALLS_ITSELF, ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import formatted, table
-from autotune.search.scores import OWN_CALLERS_ATTR
+from autotune.search.scores import OWN_CALLERS_ATTR, TIMED_CALLS_ATTR
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, shown
@@ -218,6 +219,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
             "knobs": best.get("knobs", []), "plan": best["plan"]}
     if studies.get_attr(study, OWN_CALLERS_ATTR):    # eval_fn ran it through generate: compiled in place
         data["compile_in_place"] = True
+    if timed_calls := studies.get_attr(study, TIMED_CALLS_ATTR):   # for `bench`, which times what tuning timed
+        data["latency_inputs"] = timed_calls
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:
@@ -227,10 +230,18 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         click.echo(text, nl=False)
 
 
-def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...], bool]:
-    """(plan, engine, knobs, compile in place) of a plan file from `autotune export` (JSON or YAML), or of a bare
-    {module: dtype} mapping (the eager engine, no knobs; a compiling engine compiles through torch.compile's
-    wrapper)."""
+@dataclass(frozen=True)
+class SavedPlan:
+    plan: Plan
+    engine: str
+    knobs: tuple[str, ...]
+    compile_in_place: bool
+    latency_inputs: list[LatencyInput]    # the calls tuning timed where its config named none (a generation's)
+
+
+def read_plan(path: str) -> SavedPlan:
+    """A plan file from `autotune export` (JSON or YAML), or a bare {module: dtype} mapping (the eager engine, no
+    knobs; a compiling engine compiles through torch.compile's wrapper)."""
     try:
         data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
     except yaml.YAMLError as exc:
@@ -238,13 +249,18 @@ def read_plan(path: str) -> tuple[Plan, str, tuple[str, ...], bool]:
     plan = data.get("plan", data) if isinstance(data, dict) else data
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise CliError(f"{path}: expected a mapping of module name to dtype (or autotune export's output)")
-    engine = data.get("engine", "eager") if "plan" in data else "eager"
+    exported = data if "plan" in data else {}
+    engine = exported.get("engine", "eager")
     if engine not in ENGINES:
         raise CliError(f"{path}: unknown engine {engine!r}; known: {sorted(ENGINES)}")
-    knobs = data.get("knobs") or [] if "plan" in data else []
+    knobs = exported.get("knobs") or []
     if not isinstance(knobs, list) or not all(knob in KNOBS for knob in knobs):
         raise CliError(f"{path}: knobs must be a list of {sorted(KNOBS)}; got {knobs!r}")
-    return plan, engine, tuple(knobs), "plan" in data and data.get("compile_in_place") is True
+    try:
+        timed = [LatencyInput.model_validate(entry) for entry in exported.get("latency_inputs") or []]
+    except ValidationError as exc:
+        raise CliError(f"{path}: latency_inputs: {exc.errors()[0]['msg']}") from None
+    return SavedPlan(plan, engine, tuple(knobs), exported.get("compile_in_place") is True, timed)
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
@@ -274,6 +290,7 @@ class AppliedPlan:
     plan: Plan
     engine: str
     knobs: tuple[str, ...]
+    latency_inputs: list[LatencyInput]    # as the plan file recorded them
     fp32: torch.nn.Module
     built: torch.nn.Module     # the plan in its engine, reference numerics (what `apply` saves)
     batches: list              # the config's example inputs, or the first batches its eval_fn feeds the model
@@ -281,9 +298,10 @@ class AppliedPlan:
 
 def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     """The config's model with the plan file's plan realised in its recorded engine."""
-    plan, engine, knobs, in_place = read_plan(plan_path)
+    saved = read_plan(plan_path)
+    plan, engine, knobs = saved.plan, saved.engine, saved.knobs
     model = uncompiled(config.build_model()).eval().to(torch.device(config.tuning.device))
-    if in_place:   # its own methods call it (generate): a compiling engine compiles it in place, as tuning did
+    if saved.compile_in_place:   # its own methods call it (generate): compiled in place, as tuning did
         setattr(model, CALLS_ITSELF, True)
     try:
         validate_plan(plan, search_candidates(model, config.tuning))
@@ -295,8 +313,8 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     batches = calibration_batches(config, model)
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
-    return AppliedPlan(plan, engine, knobs, model, realise(with_knobs(model, knobs), plan, engine, calibration),
-                       batches)
+    built = realise(with_knobs(model, knobs), plan, engine, calibration)
+    return AppliedPlan(plan, engine, knobs, saved.latency_inputs, model, built, batches)
 
 
 @main.command(name="list")

@@ -72,15 +72,16 @@ def _shape(entry: LatencyInput, index: int, recorded: list[CallInputs], device: 
 
 
 def latency_shapes(config: TuningConfig, recorded: list[CallInputs], device: torch.device,
-                   fp32: nn.Module | None = None) -> list[Shape]:
-    """The configured shapes, built from the recorded calls (the first by default) or the factories; [the first
-    recorded call] by default. Each configured one is run on `fp32` once, where given.
+                   fp32: nn.Module | None = None, calls: list[LatencyInput] | None = None) -> list[Shape]:
+    """The configured shapes, built from the recorded calls (the first by default) or the factories; where none
+    are configured, the recorded `calls` chosen for the study (a generation's first call and its steps), else the
+    first recorded call. Each configured one is run on `fp32` once, where given.
 
     Raises:
         ConfigError: a factory failed, a batch cannot be resized, two shapes share a name, or the model fails on
             a shape's inputs.
     """
-    entries = config.latency_inputs or [LatencyInput()]
+    entries = config.latency_inputs or calls or [LatencyInput()]
     shapes = [_shape(entry, index, recorded, device) for index, entry in enumerate(entries)]
     names = [shape.name for shape in shapes]
     if len(set(names)) != len(names):

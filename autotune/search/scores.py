@@ -73,13 +73,17 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
 # a compiled wrapper handed to eval_fn runs none of its compiled code there (autotune.search.finalists).
 OWN_CALLERS_ATTR = "model_called_by_its_methods"
 GRAD_MODE_ATTR = "eval_grad_mode"   # the autograd mode of eval_fn's calls of the model (capture.grad_mode)
+# The latency_inputs the study times at where the config names none: the recorded calls standing for a generation's
+# first call and its steps, weighted as eval_fn made them (capture.HowCalled.calls_to_time).
+TIMED_CALLS_ATTR = "timed_calls"
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
-                   config: TuningConfig) -> tuple[float, list[CallInputs] | None]:
+                   config: TuningConfig, records_timed_calls: bool = False) -> tuple[float, list[CallInputs] | None]:
     """The study's baseline score, and where this worker evaluated it (one eval_fn call), the first batches that
     call fed the model; None where it was stored. Waits while another worker evaluates it. A failure is not
-    stored: the next worker to ask tries again."""
+    stored: the next worker to ask tries again. `records_timed_calls`: those batches are the ones latency is
+    measured on, so the calls to time may be chosen among them (TIMED_CALLS_ATTR)."""
     stored = studies.get_attr(study, studies.BASELINE_ATTR)
     if stored is not None:
         return stored, None
@@ -90,12 +94,27 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         how = HowCalled()
         baseline, batches = evaluate_baseline(fp32, eval_fn, config, how)
         studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
-        if how.own_callers and not config.latency_inputs:
-            log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
-                        "to time the calls after it too (generate's steps), weighted by how many follow each first "
-                        "one, set latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]",
-                        ", ".join(sorted(how.own_callers)))
+        _choose_timed_calls(study, config, how, records_timed_calls)
         studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
     return baseline, batches
+
+
+def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalled, chosen_here: bool) -> None:
+    """Records the calls to time where the config names none and the model's own methods call it again and again
+    (a generation: the prompt's call, then a step per position), or says how to name them where they cannot be
+    chosen here (example_inputs are what latency is measured on)."""
+    if config.latency_inputs:
+        return
+    calls = how.calls_to_time() if chosen_here else []
+    if calls:
+        studies.set_attr(study, TIMED_CALLS_ATTR, [call.model_dump(exclude_defaults=True) for call in calls])
+        log.info("eval_fn calls the model through its own methods (%s), %g times after each first call: latency "
+                 "is measured at the first call and the next, weighted 1 : %g", ", ".join(sorted(how.own_callers)),
+                 calls[1].weight, calls[1].weight)
+    elif how.own_callers:
+        log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
+                    "to time the calls after it too (generate's steps), weighted by how many follow each first "
+                    "one, set latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]",
+                    ", ".join(sorted(how.own_callers)))
