@@ -2,7 +2,9 @@
 appends to it. What the tuner records and replays must compute what the recorded call did."""
 import json
 import logging
+import re
 
+import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
@@ -67,10 +69,10 @@ def test_recorded_inputs_keep_the_state_of_their_call_and_each_replay_starts_fro
     assert fresh(prefill)[1]["cache"] is not prefill[1]["cache"]
 
 
-def tune_by_generation(config: TuningConfig, example_inputs=None):
+def tune_by_generation(config: TuningConfig, example_inputs=None, model_class=TinyDecoder):
     """A TinyDecoder tuned by how closely its generate follows the fp32 one's: (model, result, eval_fn)."""
     torch.manual_seed(0)
-    model = TinyDecoder().eval()
+    model = model_class().eval()
     with torch.no_grad():
         reference = model.generate(PROMPT)
 
@@ -90,7 +92,6 @@ def test_a_decoder_evaluated_by_generation_is_tuned_on_its_recorded_calls_and_co
     assert fidelity(result.model) >= 0.95 * fidelity(model)
     exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
     assert exported.exit_code == 0 and json.loads(exported.output)["compile_in_place"] is True   # for `apply`
-    assert json.loads(exported.output)["latency_inputs"] == [{"call": 0}, {"call": 1, "weight": 3.0}]  # for bench
     assert result.study.user_attrs["autotune.engines_dropped"] == {
         "compiled": "eval_fn runs the model through its own methods (TinyDecoder.generate), which this engine's "
                     "model does not have"}
@@ -166,23 +167,38 @@ def test_generation_with_example_inputs_timed_at_them_alone_says_how_to_time_the
     _, result, _ = tune_by_generation(config, example_inputs=((PROMPT,), {"cache": KVCache()}))
     assert [shape.name for shape in result.shapes] == ["batch 4"]
     assert ("eval_fn calls the model through its own methods (TinyDecoder.generate), and only its first call is "
-            "timed") in caplog.text and "latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]" in caplog.text
+            "timed") in caplog.text and "latency_inputs: [{call: 0}, {call: 1, weight: W}]" in caplog.text
 
 
-def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_as_eval_fn_made_them(storage, caplog):
+class SlowPrefill(TinyDecoder):
+    """A prompt's call computes ten times what a step's does, as a long prompt's does (work that no plan changes, so
+    a loaded machine slows both alike)."""
+
+    def forward(self, x, cache):
+        work = torch.ones(256, 256)
+        for _ in range(40 if x.shape[1] > 1 else 4):
+            work = (work @ work).clamp(max=1.0)
+        return super().forward(x, cache) + 0 * work[0, :8]
+
+
+def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_by_their_share_of_its_time(storage, caplog):
     """With no latency_inputs, the calls to time are chosen from what the baseline's eval_fn call saw: generate
-    called the model once on the prompt and 3 times after it, and a resumed run times the same."""
+    called the model once on the prompt and 3 times after it, each step a tenth of the prompt's time, so the steps'
+    ratio weighs about 3 x 0.1 against the prompt's 1; a resumed run times the same."""
     caplog.set_level(logging.INFO, logger="autotune")
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
                           tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
-    _, result, _ = tune_by_generation(config)
-    assert [(shape.name, shape.weight) for shape in result.shapes] == [("call 0, batch 4", 1.0),
-                                                                      ("call 1, batch 4", 3.0)]
-    assert "weighted 1 : 3" in caplog.text and "only its first call is timed" not in caplog.text
-    _, resumed, _ = tune_by_generation(config.model_copy(update={"max_trials": 3}))
+    _, result, _ = tune_by_generation(config, model_class=SlowPrefill)
+    (first, steps), share = result.shapes, float(re.search(r"3 times after each first call, each at ([\d.]+) of its "
+                                                          r"fp32 time", caplog.text).group(1))
+    assert (first.name, first.weight, steps.name) == ("call 0, batch 4", 1.0, "call 1, batch 4")
+    assert steps.weight == pytest.approx(3 * share, abs=0.01) and 0.1 < steps.weight < 1.0
+    assert "only its first call is timed" not in caplog.text
+    _, resumed, _ = tune_by_generation(config.model_copy(update={"max_trials": 3}), model_class=SlowPrefill)
     assert resumed.study.study_name == result.study.study_name
-    assert [(shape.name, shape.weight) for shape in resumed.shapes] == [("call 0, batch 4", 1.0),
-                                                                       ("call 1, batch 4", 3.0)]
+    assert [(s.name, s.weight) for s in resumed.shapes] == [(s.name, s.weight) for s in result.shapes]
+    exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
+    assert json.loads(exported.output)["latency_inputs"] == [{"call": 0}, {"call": 1, "weight": steps.weight}]
 
 
 def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage, caplog):

@@ -25,6 +25,7 @@ from autotune.capture import HowCalled, run_capturing
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.errors import ConfigError, EvalFunctionError
+from autotune.measure.latency import measure_latency
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
 
@@ -94,27 +95,34 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         how = HowCalled()
         baseline, batches = evaluate_baseline(fp32, eval_fn, config, how)
         studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
-        _choose_timed_calls(study, config, how, records_timed_calls)
+        if not config.latency_inputs:
+            _choose_timed_calls(study, config, how, fp32, batches if records_timed_calls else None)
         studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
     return baseline, batches
 
 
-def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalled, chosen_here: bool) -> None:
-    """Records the calls to time where the config names none and the model's own methods call it again and again
-    (a generation: the prompt's call, then a step per position), or says how to name them where they cannot be
-    chosen here (example_inputs are what latency is measured on)."""
-    if config.latency_inputs:
-        return
-    calls = how.calls_to_time() if chosen_here else []
+def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalled, fp32: nn.Module,
+                        recorded: list[CallInputs] | None) -> None:
+    """Where the model's own methods call it again and again (a generation: the prompt's call, then a step per
+    position), records the `recorded` calls standing for each kind, weighted by their share of eval_fn's time in
+    fp32 (how many of each kind it made, times one's fp32 time): the weighted mean of their latency ratios is
+    then the ratio of a whole generation's time. Without `recorded` (example_inputs are what latency is measured
+    on), says how to name them."""
+    calls = how.calls_to_time() if recorded is not None else []
     if calls:
-        studies.set_attr(study, TIMED_CALLS_ATTR, [call.model_dump(exclude_defaults=True) for call in calls])
-        log.info("eval_fn calls the model through its own methods (%s), %g times after each first call: latency "
-                 "is measured at the first call and the next, weighted 1 : %g", ", ".join(sorted(how.own_callers)),
-                 calls[1].weight, calls[1].weight)
+        timed = measure_latency({str(c.call): fp32 for c in calls}, {str(c.call): recorded[c.call] for c in calls},
+                                warmup=2, repeats=5, num_threads=config.num_threads)
+        first_ms, later_ms = (timed[str(c.call)].median_ms for c in calls)
+        weight = round(calls[1].weight * later_ms / first_ms, 3)
+        studies.set_attr(study, TIMED_CALLS_ATTR, [calls[0].model_dump(exclude_defaults=True),
+                                                   {"call": calls[1].call, "weight": weight}])
+        log.info("eval_fn calls the model through its own methods (%s), %g times after each first call, each at %.2f "
+                 "of its fp32 time: latency is measured at the first call and the next, weighted 1 : %g",
+                 ", ".join(sorted(how.own_callers)), calls[1].weight, later_ms / first_ms, weight)
     elif how.own_callers:
         log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
-                    "to time the calls after it too (generate's steps), weighted by how many follow each first "
-                    "one, set latency_inputs: [{call: 0}, {call: 1, weight: STEPS}]",
-                    ", ".join(sorted(how.own_callers)))
+                    "to time the calls after it too (generate's steps), set latency_inputs: [{call: 0}, {call: 1, "
+                    "weight: W}], W = the steps per first call x a step's time / the first call's, or give no "
+                    "example_inputs: the tuner then chooses and weighs them", ", ".join(sorted(how.own_callers)))
