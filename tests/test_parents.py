@@ -149,3 +149,17 @@ def test_int8_modules_of_a_bf16_model_read_as_bf16():
     with torch.no_grad():
         reference, out = model(X), lowered(X)
     assert out.dtype == torch.float32 and (out - reference).norm() / reference.norm() < 0.05
+
+
+def test_a_bf16_module_fed_its_weight_dtype_by_its_parent_hands_back_the_dtype_the_next_module_holds():
+    """transformers' code casts to a child's weight dtype (`x.to(self.fc1.weight.dtype)`): with fc1 in bf16 the
+    parent feeds it bf16, and fc1's output went on in bf16 into fc2, kept fp32: every such trial failed."""
+    from autotune import apply_plan
+    model = CastsToItsWeights().eval()
+    lowered = apply_plan(model, {"wi": "bf16", "wo": "fp32"})
+    with torch.no_grad():
+        reference, out = model(X), lowered(X)
+    assert lowered.wi.weight.dtype == torch.bfloat16 and lowered.wi(X.bfloat16()).dtype == torch.float32
+    assert (out - reference).norm() / reference.norm() < 0.05
+    half = apply_plan(CastsToItsWeights().to(torch.bfloat16).eval(), {"wi": "fp16"})
+    assert half.wi(X.half()).dtype == torch.bfloat16    # a bf16 model's module hands back bf16

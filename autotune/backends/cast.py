@@ -19,8 +19,13 @@ HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 def held_dtype(model: nn.Module) -> str:
     """The dtype name most of a model's floating parameters hold: what a plan's "fp32" (the module as it is)
     computes in for a model handed over in bf16 or fp16."""
-    counts = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
-    return HALF_NAMES.get(counts.most_common(1)[0][0], "fp32") if counts else "fp32"
+    return HALF_NAMES.get(_parameters_dtype(model), "fp32")
+
+
+def _parameters_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype most of a module's floating parameters hold; None where it has none."""
+    counts = Counter(p.dtype for p in module.parameters() if p.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -33,12 +38,16 @@ def _first_float_dtype(args: tuple, kwargs: dict) -> torch.dtype:
 
 
 class CastWrapper(nn.Module):
-    """Runs `inner` in `dtype`; callers keep seeing their own floating dtype. Attributes the wrapper lacks are
-    read from `inner`: parents read their children's (`self.wo.weight.dtype` in T5, `self.conv1.stride` in
-    Whisper, `self.linear1.weight` in torch's own TransformerEncoderLayer)."""
+    """Runs `inner` in `dtype`; its outputs come back in the floating dtype the module held (`outer`), as the
+    module's own did, whatever dtype the caller fed it: a parent that casts its input to the child's weight dtype
+    (`x.to(self.fc1.weight.dtype)`, as transformers' code does) feeds it bf16, and the modules after it still hold
+    fp32. Attributes the wrapper lacks are read from `inner`: parents read their children's
+    (`self.wo.weight.dtype` in T5, `self.conv1.stride` in Whisper, `self.linear1.weight` in torch's own
+    TransformerEncoderLayer)."""
 
     def __init__(self, inner: nn.Module, dtype: torch.dtype):
         super().__init__()
+        self.outer = _parameters_dtype(inner)    # None: the caller's dtype
         self.inner = inner.to(dtype)
         self.dtype = dtype
 
@@ -51,7 +60,7 @@ class CastWrapper(nn.Module):
             return getattr(super().__getattr__("inner"), name)
 
     def forward(self, *args, **kwargs):
-        outer = _first_float_dtype(args, kwargs)
+        outer = self.outer or _first_float_dtype(args, kwargs)
         out = self.inner(*cast_floats(args, self.dtype), **cast_floats(kwargs, self.dtype))
         return cast_floats(out, outer)
 
