@@ -201,6 +201,31 @@ def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_by_their_s
     assert json.loads(exported.output)["latency_inputs"] == [{"call": 0}, {"call": 1, "weight": steps.weight}]
 
 
+class ProjectsItsPromptOnce(TinyDecoder):
+    """Projects the prompt on the first call only, as cross-attention projects an encoder's output once and its
+    steps reuse the keys and values cached."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory = nn.Linear(8, 32)
+
+    def forward(self, x, cache):
+        if not cache.keys:
+            cache.memory = self.memory(x).mean(1)
+        return super().forward(x, cache) + 0.1 * self.head(cache.memory)
+
+
+def test_a_module_the_steps_do_not_call_costs_nothing_at_the_steps_and_is_tuned(storage):
+    """Its latency at the steps' call was looked up on inputs recorded there, which it has none of: KeyError."""
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=3, repeats=3, storage=storage)
+    _, result, _ = tune_by_generation(config, model_class=ProjectsItsPromptOnce)
+    by_shape = result.study.user_attrs["autotune.module_latency_ms_by_shape"]
+    assert by_shape["call 1, batch 4"]["memory"] == {"int8": 0.0, "fp32": 0.0}
+    assert by_shape["call 0, batch 4"]["memory"]["fp32"] > 0 and "memory" in result.study.user_attrs[
+        "autotune.module_latency_ms"]
+
+
 def test_generation_is_timed_at_its_prefill_and_its_steps_with_their_weights(storage, caplog):
     """`latency_inputs` picks recorded calls: the prompt's (call 0) and a step's, one position on a cache of the
     prompt's 6 (call 1), weighted as a generation of 3 new positions calls them."""

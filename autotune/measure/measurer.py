@@ -86,6 +86,16 @@ def ratios_to_fp32(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> d
     return {shape: timing[name].ratio_to(timing["fp32"]) for shape, timing in by_shape.items()}
 
 
+def _module_latency_at(measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
+                       shape: Shape) -> PerModule:
+    """Module latency at a shape other than the captured inputs. A module its call does not reach costs nothing
+    there: a generation's steps reuse the cross-attention keys and values its first call computed."""
+    calibration = record_module_inputs(fp32, list(candidates), shape.inputs)
+    reached = {name: dtypes for name, dtypes in candidates.items() if name in calibration}
+    timed = measurer.module_latency(fp32, reached, shape.inputs, calibration) if reached else {}
+    return {name: timed.get(name) or dict.fromkeys(dtypes, 0.0) for name, dtypes in candidates.items()}
+
+
 def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
                    inputs: CallInputs, calibration: dict[str, CallInputs],
                    shapes: list[Shape]) -> tuple[PerModule, PerModule]:
@@ -98,10 +108,8 @@ def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, can
     sensitivity = studies.get_attr(study, "sensitivity")
     latency = studies.get_attr(study, "module_latency_ms")
     if sensitivity is None or latency is None:
-        per_shape = [measurer.module_latency(fp32, candidates, shape.inputs,
-                                             calibration if shape.inputs is inputs else
-                                             record_module_inputs(fp32, list(candidates), shape.inputs))
-                     for shape in shapes]
+        per_shape = [measurer.module_latency(fp32, candidates, inputs, calibration) if shape.inputs is inputs
+                     else _module_latency_at(measurer, fp32, candidates, shape) for shape in shapes]
         latency = combine_module_latency(per_shape, shapes)
         kept = {name: [d for d in dtypes if latency[name][d] <= latency[name]["fp32"]]
                 for name, dtypes in candidates.items()}
