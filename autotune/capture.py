@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,13 +137,13 @@ def without_autograd(mode: str | None) -> contextlib.AbstractContextManager:
 
 def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_early: bool,
                   batches: int = CALIBRATION_BATCHES, called: str = "eval_fn",
-                  how: HowCalled | None = None) -> tuple[Any, list[CallInputs]]:
+                  how: HowCalled | None = None, required: bool = True) -> tuple[Any, list[CallInputs]]:
     """Calls eval_fn(model) and records the first `batches` batches the model sees, and in `how`, where given,
     what every call was like.
 
     With stop_early, eval_fn is abandoned right after them (used when its result is already known).
     Returns (eval_fn's return value or None, the recorded inputs, first batch first); `called` names eval_fn in
-    the error.
+    the error raised where the model was never called and inputs are `required` (none were given).
     """
     recorded: list[CallInputs] = []
 
@@ -154,18 +155,55 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
         if stop_early and len(recorded) >= batches:
             raise _Captured
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    children: dict[str, set[str]] = {}     # child called before the model was: the model's methods calling it
+
+    def child_hook(module, args, name):
+        if not recorded:
+            callers = _callers_of(model)
+            children.setdefault(name, set()).update(callers)
+            if how is not None:    # CLIP's get_text_features: a compiled forward would not reach these calls
+                how.own_callers.update(callers)
+
+    handles = [model.register_forward_pre_hook(hook, with_kwargs=True),
+               *(child.register_forward_pre_hook(functools.partial(child_hook, name=name))
+                 for name, child in model.named_children())]
     result = None
     try:
         result = eval_fn(model)
     except _Captured:
         pass
     finally:
-        handle.remove()
-    if not recorded:
-        raise EvalFunctionError(f"{called} never called the model it was given, so no example inputs could be "
-                                f"captured; call the model inside {called} or pass example_inputs")
+        for handle in handles:
+            handle.remove()
+    if not recorded and required:
+        raise EvalFunctionError(_never_called(called, children))
     return result, recorded
+
+
+def _never_called(called: str, children: dict[str, set[str]]) -> str:
+    if not children:
+        return (f"{called} never called the model it was given, so no example inputs could be captured; call the "
+                f"model inside {called} or pass example_inputs")
+    methods = sorted(set().union(*children.values())) or ["code outside the model"]
+    return (f"{called} never called the model's forward, only its submodules {', '.join(sorted(children))}, through "
+            f"{', '.join(methods)}: the tuner times and calibrates the model as its forward runs, so pass "
+            f"example_inputs for the forward (eval_fn keeps scoring through its methods), or tune the submodule "
+            f"itself (autotune(model.{min(children)}, ...), {called} taking it)")
+
+
+def _callers_of(model: nn.Module) -> list[str]:
+    """The methods of `model` on the stack now, as "Class.method"."""
+    return [frame.f_code.co_qualname for frame in _methods_running(model, inspect.currentframe())]
+
+
+def _methods_running(module: nn.Module, frame: FrameType | None) -> list[FrameType]:
+    """The frames of methods of `module` from `frame` outwards, innermost first."""
+    found = []
+    while frame is not None:
+        if frame.f_locals.get("self") is module:
+            found.append(frame)
+        frame = frame.f_back
+    return found
 
 
 def _own_callers(module: nn.Module) -> list[FrameType]:
@@ -177,12 +215,7 @@ def _own_callers(module: nn.Module) -> list[FrameType]:
         frame = frame.f_back      # this module's functions, the hook, and nn.Module's call machinery
     if frame is None or frame.f_locals.get("self") is not module:
         return []
-    callers = []
-    while frame is not None:
-        if frame.f_locals.get("self") is module:
-            callers.append(frame)
-        frame = frame.f_back
-    return callers
+    return _methods_running(module, frame)
 
 
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:

@@ -243,7 +243,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
     elif first:
         # The baseline's call captures the inputs too, so it comes first here (none stored it before).
-        _, batches = study_baseline(study, storage, fp32, eval_fn, config, records_timed_calls=True)
+        _, batches = study_baseline(study, storage, fp32, eval_fn, config, captures_inputs=True)
         eval_calls += batches is not None
     if batches is None:
         # eval_fn is started for its first batches and abandoned: one call, cut short.

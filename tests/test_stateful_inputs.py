@@ -176,7 +176,7 @@ class SlowPrefill(TinyDecoder):
 
     def forward(self, x, cache):
         work = torch.ones(256, 256)
-        for _ in range(40 if x.shape[1] > 1 else 4):
+        for _ in range(20 if x.shape[1] > 1 else 2):
             work = (work @ work).clamp(max=1.0)
         return super().forward(x, cache) + 0 * work[0, :8]
 
@@ -192,7 +192,7 @@ def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_by_their_s
     (first, steps), share = result.shapes, float(re.search(r"3 times after each first call, each at ([\d.]+) of its "
                                                           r"fp32 time", caplog.text).group(1))
     assert (first.name, first.weight, steps.name) == ("call 0, batch 4", 1.0, "call 1, batch 4")
-    assert steps.weight == pytest.approx(3 * share, abs=0.01) and 0.1 < steps.weight < 1.0
+    assert steps.weight == pytest.approx(3 * share, abs=0.005) and 0.1 < steps.weight < 1.0
     assert "only its first call is timed" not in caplog.text
     _, resumed, _ = tune_by_generation(config.model_copy(update={"max_trials": 3}), model_class=SlowPrefill)
     assert resumed.study.study_name == result.study.study_name

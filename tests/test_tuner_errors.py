@@ -73,6 +73,37 @@ def test_eval_fn_that_never_calls_the_model_without_example_inputs(storage):
         autotune(small_model(), config(storage), lambda model: 1.0)
 
 
+class TwoTowers(nn.Module):
+    """CLIP's shape: eval_fn scores features its methods compute with the towers, never calling the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.image = nn.Linear(8, 16), nn.Linear(12, 16)
+
+    def forward(self, text, image):
+        return self.text_features(text) @ self.image_features(image).T
+
+    def text_features(self, text):
+        return self.text(text)
+
+    def image_features(self, image):
+        return self.image(image)
+
+
+def test_eval_fn_scoring_through_methods_that_call_submodules_alone_is_told_what_to_do(storage):
+    model, text, image = TwoTowers().eval(), torch.randn(4, 8), torch.randn(4, 12)
+
+    def similarity(model):
+        with torch.no_grad():
+            return torch.cosine_similarity(model.text_features(text), model.image_features(image)).mean().item()
+    with pytest.raises(EvalFunctionError, match=r"never called the model's forward, only its submodules image, text, "
+                                                r"through TwoTowers.image_features, TwoTowers.text_features: .* pass "
+                                                r"example_inputs for the forward .* itself \(autotune\(model.image, "):
+        autotune(model, config(storage), similarity)
+    result = autotune(model, config(storage), similarity, example_inputs=(text, image))
+    assert set(result.plan) == {"text", "image"}     # as the error says: tuned on the forward, scored by eval_fn
+
+
 def test_unknown_dtype_name_in_a_dict_config(storage):
     with pytest.raises(ConfigError, match=r"config_set.0.dtype.0: Input should be 'fp32', 'bf16', 'fp16' or 'int8' "
                                           r"\(got 'int4'\)$"):

@@ -56,11 +56,12 @@ def failing_as_the_baseline() -> Iterator[None]:
 
 
 def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], config: TuningConfig,
-                      how: HowCalled | None = None) -> tuple[float, list[CallInputs]]:
+                      how: HowCalled | None = None, captures_inputs: bool = True) -> tuple[float, list[CallInputs]]:
     """eval_fn's score of a copy of the fp32 model, checked usable as the base of the configured loss, and the
-    first batches eval_fn fed it; what its calls were like goes to `how`, where given."""
+    first batches eval_fn fed it; what its calls were like goes to `how`, where given. Without `captures_inputs`
+    (example_inputs are what the tuner runs the model on), eval_fn need not call the model's forward itself."""
     with failing_as_the_baseline():
-        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, how=how)
+        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, how=how, required=captures_inputs)
         baseline = score_of(returned)
     if config.loss_kind == "relative" and baseline == 0:
         # A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone.
@@ -80,11 +81,11 @@ TIMED_CALLS_ATTR = "timed_calls"
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
-                   config: TuningConfig, records_timed_calls: bool = False) -> tuple[float, list[CallInputs] | None]:
+                   config: TuningConfig, captures_inputs: bool = False) -> tuple[float, list[CallInputs] | None]:
     """The study's baseline score, and where this worker evaluated it (one eval_fn call), the first batches that
     call fed the model; None where it was stored. Waits while another worker evaluates it. A failure is not
-    stored: the next worker to ask tries again. `records_timed_calls`: those batches are the ones latency is
-    measured on, so the calls to time may be chosen among them (TIMED_CALLS_ATTR)."""
+    stored: the next worker to ask tries again. `captures_inputs`: those batches are the inputs the tuner runs the
+    model on (none were given), so eval_fn must call the model, and the calls to time are chosen among them."""
     stored = studies.get_attr(study, studies.BASELINE_ATTR)
     if stored is not None:
         return stored, None
@@ -93,10 +94,10 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         if stored is not None:
             return stored, None
         how = HowCalled()
-        baseline, batches = evaluate_baseline(fp32, eval_fn, config, how)
+        baseline, batches = evaluate_baseline(fp32, eval_fn, config, how, captures_inputs)
         studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
         if not config.latency_inputs:
-            _choose_timed_calls(study, config, how, fp32, batches if records_timed_calls else None)
+            _choose_timed_calls(study, config, how, fp32, batches if captures_inputs else None)
         studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
@@ -114,13 +115,13 @@ def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalle
     if calls:
         timed = measure_latency({str(c.call): fp32 for c in calls}, {str(c.call): recorded[c.call] for c in calls},
                                 warmup=2, repeats=5, num_threads=config.num_threads)
-        first_ms, later_ms = (timed[str(c.call)].median_ms for c in calls)
-        weight = round(calls[1].weight * later_ms / first_ms, 3)
+        share = timed[str(calls[1].call)].ratio_to(timed[str(calls[0].call)])   # round by round: load spikes pass
+        weight = round(calls[1].weight * share, 3)
         studies.set_attr(study, TIMED_CALLS_ATTR, [calls[0].model_dump(exclude_defaults=True),
                                                    {"call": calls[1].call, "weight": weight}])
-        log.info("eval_fn calls the model through its own methods (%s), %g times after each first call, each at %.2f "
+        log.info("eval_fn calls the model through its own methods (%s), %g times after each first call, each at %.3f "
                  "of its fp32 time: latency is measured at the first call and the next, weighted 1 : %g",
-                 ", ".join(sorted(how.own_callers)), calls[1].weight, later_ms / first_ms, weight)
+                 ", ".join(sorted(how.own_callers)), calls[1].weight, share, weight)
     elif how.own_callers:
         log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
                     "to time the calls after it too (generate's steps), set latency_inputs: [{call: 0}, {call: 1, "
