@@ -1,3 +1,4 @@
+import logging
 import math
 
 import optuna
@@ -90,7 +91,7 @@ class TwoTowers(nn.Module):
         return self.image(image)
 
 
-def test_eval_fn_scoring_through_methods_that_call_submodules_alone_is_told_what_to_do(storage):
+def test_eval_fn_scoring_through_methods_that_call_submodules_alone_is_told_what_to_do(storage, caplog):
     model, text, image = TwoTowers().eval(), torch.randn(4, 8), torch.randn(4, 12)
 
     def similarity(model):
@@ -100,8 +101,10 @@ def test_eval_fn_scoring_through_methods_that_call_submodules_alone_is_told_what
                                                 r"through TwoTowers.image_features, TwoTowers.text_features: .* pass "
                                                 r"example_inputs for the forward .* itself \(autotune\(model.image, "):
         autotune(model, config(storage), similarity)
-    result = autotune(model, config(storage), similarity, example_inputs=(text, image))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config(storage), similarity, example_inputs=(text, image))
     assert set(result.plan) == {"text", "image"}     # as the error says: tuned on the forward, scored by eval_fn
+    assert "only its first call is timed" not in caplog.text   # no steps here to time
 
 
 def test_unknown_dtype_name_in_a_dict_config(storage):

@@ -122,7 +122,7 @@ def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalle
         log.info("eval_fn calls the model through its own methods (%s), %g times after each first call, each at %.3f "
                  "of its fp32 time: latency is measured at the first call and the next, weighted 1 : %g",
                  ", ".join(sorted(how.own_callers)), calls[1].weight, share, weight)
-    elif how.own_callers:
+    elif how.later_calls:   # a generation timed at example_inputs alone
         log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
                     "to time the calls after it too (generate's steps), set latency_inputs: [{call: 0}, {call: 1, "
                     "weight: W}], W = the steps per first call x a step's time / the first call's, or give no "
