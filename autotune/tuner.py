@@ -160,6 +160,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     allocation = allocation_while_timing(config.steady_allocation)
     log.info("%s", allocation)
     studies.set_attr(study, "settings", run_settings(config, device, allocation))
+    studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 

@@ -292,3 +292,14 @@ def test_a_score_too_small_for_four_decimals_shows_its_digits():
     assert formatted(1.2134e-4) == "0.0001213" and formatted(-0.0123) == "-0.0123"
     assert formatted(0.99609375) == "0.9961" and formatted(0.0) == "0.0000" and formatted(12.5) == "12.5000"
     assert formatted(None) == "-" and formatted(1.5, "{:.2f}x") == "1.50x"
+
+
+def test_a_model_handed_over_in_bf16_has_a_bf16_baseline_on_the_page(tmp_path):
+    """Its plan's "fp32" keeps modules in bf16, as the summary says: the page said "fp32 baseline"."""
+    from test_parents import CastsToItsWeights, tune
+
+    from autotune.report.page import html_report
+
+    result, _ = tune(CastsToItsWeights().to(torch.bfloat16), f"sqlite:///{tmp_path}/s.db", ["int8", "fp32"])
+    page = html_report(result.study)
+    assert "bf16 baseline" in page and "speedup vs the bf16 baseline" in page and "fp32 baseline" not in page

@@ -76,16 +76,17 @@ def trials_section(rows: list[Row]) -> str:
             + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
 
 
-def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
-    """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing."""
+def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "fp32") -> str:
+    """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. `held`: the dtype
+    the model was handed over in (a plan's "fp32" keeps a module in it)."""
     if chosen is None:
         return "<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: the tuning run has not finished.</p>"
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
     rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
-            ["speedup vs fp32", "1.00x", f"{chosen.speedup:.2f}x (re-timed)"],
-            ["plan", "fp32", (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan))}",)],
+            [f"speedup vs the {held} baseline", "1.00x", f"{chosen.speedup:.2f}x (re-timed)"],
+            ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan, held))}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:
         rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
@@ -98,7 +99,7 @@ def chosen_section(chosen: Chosen | None, baseline: float | None) -> str:
     if is_baseline(chosen.plan):
         caption = "No lowered plan both met the tolerance and ran faster than fp32 when re-timed: fp32 is kept."
     return ("<h2 id='chosen'>Baseline vs best (chosen plan)</h2>"
-            + _table(["", "fp32 baseline", "chosen plan"], rows)
+            + _table(["", f"{held} baseline", "chosen plan"], rows)
             + f"<p class='caption'>{html.escape(caption)}</p>")
 
 
@@ -262,7 +263,8 @@ def html_report(study: optuna.Study) -> str:
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
-    parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline),
+    held = studies.get_attr(study, studies.HELD_DTYPE_ATTR) or "fp32"
+    parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline, held),
              _plot_section(rows, chosen, baseline, settings) if timed else "",
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "",

@@ -30,6 +30,7 @@ ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
 BASELINE_ATTR = "baseline_accuracy"    # the fp32 model's eval_fn score (autotune.search.scores)
+HELD_DTYPE_ATTR = "held_dtype"          # the dtype the model was handed over in: what its plans' "fp32" keeps
 log = logging.getLogger("autotune")
 
 
