@@ -1,6 +1,8 @@
-"""Walking the nested containers (tuples, lists, dicts, model-output dicts) that models take and return."""
+"""Walking the nested containers (tuples, lists, dicts, model-output dicts, UserDicts) that models take and return."""
 from __future__ import annotations
 
+import copy
+from collections import UserDict
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,10 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[
         return type(value)(map_tensors(item, fn, other) for item in value)
     if isinstance(value, dict):
         return type(value)({key: map_tensors(item, fn, other) for key, item in value.items()})
+    if isinstance(value, UserDict):   # transformers' BatchEncoding: what sentence-transformers' models take and return
+        mapped = copy.copy(value)      # its other attributes (a tokenizer's encodings) as they are
+        mapped.data = {key: map_tensors(item, fn, other) for key, item in value.data.items()}
+        return mapped
     return value if other is None else other(value)
 
 

@@ -1,6 +1,8 @@
 """A BERT encoder (transformers, built from a config so the test needs no download): all-int8 misses the
 tolerance, the tuner's mixed plan meets it. The metric is embedding fidelity: mean cosine similarity of the
 mean-pooled sentence embeddings to the fp32 model's."""
+from collections import UserDict
+
 import pytest
 import torch
 from conftest import RecordedEval, assert_one_call_per_trial
@@ -83,3 +85,46 @@ def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
     # Whether an int8 plan then wins is the timing's verdict (this GPT-2 is small: int8 saves about nothing)
     assert len(projections) == 6 and any(plan[name] == "int8" for plan in passed for name in projections)
     assert fidelity(result.model) >= 0.99
+
+
+class Features(UserDict):
+    """transformers' BatchEncoding: a UserDict, not a dict, holding a tokenizer's output and more."""
+
+    def __init__(self, data, encodings=None):
+        super().__init__(data)
+        self.encodings = encodings
+
+
+class Embedder(torch.nn.Module):
+    """sentence-transformers' models: a Features in, the same Features with embeddings added out."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(16, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, features):
+        features["embedding"] = self.head(torch.relu(self.proj(features["x"])))
+        return features
+
+
+def test_a_model_taking_and_returning_a_userdict_is_recorded_measured_and_tuned(storage):
+    """Such a model's output was a leaf: 'the model returned no floating tensor to compare' ended the tuning."""
+    from autotune.capture import detach_clone
+
+    torch.manual_seed(0)
+    model, batch = Embedder().eval(), Features({"x": torch.randn(8, 16), "mask": torch.ones(8)}, encodings="tok")
+    copied = detach_clone(batch)
+    assert type(copied) is Features and copied.encodings == "tok" and copied["x"] is not batch["x"]
+    assert torch.equal(copied["x"], batch["x"])
+    with torch.no_grad():
+        reference = model(Features(dict(batch.data)))["embedding"]
+
+    def cosine(m):
+        with torch.no_grad():
+            out = m(Features(dict(batch.data)))["embedding"]
+        return torch.nn.functional.cosine_similarity(out, reference).mean().item()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
+    result = autotune(model, config, cosine)
+    assert set(result.plan) == {"proj", "head"} and set(result.study.user_attrs["autotune.sensitivity"]) == {
+        "proj", "head"}
