@@ -166,7 +166,7 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
 
     handles = [model.register_forward_pre_hook(hook, with_kwargs=True),
                *(child.register_forward_pre_hook(functools.partial(child_hook, name=name))
-                 for name, child in model.named_children())]
+                 for name, child in model.named_children() if not isinstance(child, torch.jit.ScriptModule))]
     result = None
     try:
         result = eval_fn(model)

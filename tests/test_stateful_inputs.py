@@ -171,20 +171,20 @@ def test_generation_with_example_inputs_timed_at_them_alone_says_how_to_time_the
 
 
 class SlowPrefill(TinyDecoder):
-    """A prompt's call computes ten times what a step's does, as a long prompt's does (work that no plan changes, so
-    a loaded machine slows both alike)."""
+    """A prompt's call computes far more than a step's, as a long prompt's does (work that no plan changes, so a
+    loaded machine slows both alike)."""
 
     def forward(self, x, cache):
         work = torch.ones(256, 256)
-        for _ in range(20 if x.shape[1] > 1 else 2):
+        for _ in range(40 if x.shape[1] > 1 else 0):    # ops as well as time: a loaded machine stalls each op
             work = (work @ work).clamp(max=1.0)
         return super().forward(x, cache) + 0 * work[0, :8]
 
 
 def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_by_their_share_of_its_time(storage, caplog):
     """With no latency_inputs, the calls to time are chosen from what the baseline's eval_fn call saw: generate
-    called the model once on the prompt and 3 times after it, each step a tenth of the prompt's time, so the steps'
-    ratio weighs about 3 x 0.1 against the prompt's 1; a resumed run times the same."""
+    called the model once on the prompt and 3 times after it, each step a small share of the prompt's time, so the
+    steps' ratio weighs 3 x that share (not 3) against the prompt's 1; a resumed run times the same."""
     caplog.set_level(logging.INFO, logger="autotune")
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
                           tolerable_loss=0.05, max_trials=2, repeats=3, storage=storage)
@@ -192,7 +192,7 @@ def test_generation_is_timed_at_its_first_call_and_its_steps_weighted_by_their_s
     (first, steps), share = result.shapes, float(re.search(r"3 more times after each first call, each at ([\d.]+) of "
                                                           r"its fp32 time", caplog.text).group(1))
     assert (first.name, first.weight, steps.name) == ("call 0, batch 4", 1.0, "call 1, batch 4")
-    assert steps.weight == pytest.approx(3 * share, abs=0.005) and 0.01 < steps.weight < 1.0   # far below 3
+    assert steps.weight == pytest.approx(3 * share, abs=0.005) and 0 < steps.weight < 1.0   # far below 3
     assert "only its first call is timed" not in caplog.text
     _, resumed, _ = tune_by_generation(config.model_copy(update={"max_trials": 3}), model_class=SlowPrefill)
     assert resumed.study.study_name == result.study.study_name
