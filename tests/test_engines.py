@@ -803,6 +803,22 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
         assert torch.equal(reread(x), built(x))
 
 
+def test_a_compiled_finalist_read_back_from_the_cache_takes_the_keyword_call_it_was_built_on(tmp_path):
+    """Kept as exported on the keyword inputs, it was called by position once read back: 'kwarg keyword mismatch',
+    and a re-run of the study lost the compiled engine."""
+    from autotune.engines import CompileCache
+
+    cache, model, plan = CompileCache(tmp_path), Masked().eval(), {"proj": "int8"}
+    generator = torch.Generator().manual_seed(0)
+    calls = [((), {"mask": torch.rand(4, 8, generator=generator),
+                   "pixel_values": torch.randn(4, 8, generator=generator)}) for _ in range(3)]
+    engine = CompiledEngine()
+    built = engine.runnable(cache.build(engine, model, plan, Calibration(calls, {}), calls[0]))
+    reread = engine.runnable(cache.build(engine, model, plan, Calibration(calls, {}), calls[0]))
+    with torch.no_grad():
+        assert torch.equal(reread(**calls[1][1]), built(**calls[1][1]))
+
+
 def test_reading_int8_weights_back_from_the_compile_cache_gives_no_torch_internal_warning(tmp_path):
     """torch.load of int8 weights warns of torch's own TypedStorage use: a resumed run's cache reads printed it."""
     import warnings

@@ -239,8 +239,8 @@ class CompiledEngine:
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
-        with open(path, "wb") as out:
-            _write_exported(built, inputs, out)
+        with open(path, "wb") as out:   # by position, as SavedAsExported calls the graph it loads
+            _write_exported(built, _by_position(inspect.signature(built.forward), *inputs), out)
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
                 "torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
                 "(inductor then runs int8 kernels)")
@@ -266,9 +266,7 @@ class SavedAsExported(FrozenCompiled):
         self.signature = inspect.signature(built.forward)
 
     def forward(self, *args, **kwargs):
-        if kwargs:   # by position, as the graph is saved: a graph exported takes only the call structure it was given
-            bound = self.signature.bind(*args, **kwargs)
-            args, kwargs = bound.args, bound.kwargs
+        args, kwargs = _by_position(self.signature, args, kwargs)
         first = self.example is None
         output = super().forward(*args, **kwargs)
         if first:
@@ -282,6 +280,15 @@ class SavedAsExported(FrozenCompiled):
         exported = io.BytesIO()
         _write_exported(self.built[0], self.example, exported)
         return _loaded, (exported.getvalue(), self.example, self.output_modules)
+
+
+def _by_position(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's inputs by position, as the graph is saved and called: a graph exported takes only the call structure
+    it was given."""
+    if not kwargs:
+        return args, kwargs
+    bound = signature.bind(*args, **kwargs)
+    return bound.args, bound.kwargs
 
 
 def _defining_modules(output) -> set[str]:
