@@ -133,15 +133,21 @@ def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[
     UNTUNED_SHARE of the weights or more, logged: an embedding table can be most of a recommender or a language
     model, and a user reading the plan alone would not know it was never among the `module_types` tuned."""
     tuned = {id(module) for name in candidates for module in model.get_submodule(name).modules()}
-    owned: dict[str, list[int]] = {}
-    total = 0
+    # Each parameter once, under the first untuned module holding it: a tied one (an embedding table that is also
+    # the tuned output projection's weight) stays as it is in the embedding.
+    held: dict[int, tuple[int, str | None]] = {}
+    holders: dict[str, set[int]] = {}
     for module in model.modules():
-        size = sum(p.numel() for p in module.parameters(recurse=False))
-        total += size
-        if size and id(module) not in tuned:
-            owned.setdefault(type(module).__name__, []).append(size)
-    found = {kind: (len(sizes), sum(sizes) / total) for kind, sizes in owned.items()
-             if total and sum(sizes) / total >= UNTUNED_SHARE}
+        for parameter in module.parameters(recurse=False):
+            size, kind = held.get(id(parameter), (parameter.numel(), None))
+            if kind is None and id(module) not in tuned:
+                kind = type(module).__name__
+                holders.setdefault(kind, set()).add(id(module))
+            held[id(parameter)] = size, kind
+    total = sum(size for size, _ in held.values())
+    owned = {kind: sum(size for size, holder in held.values() if holder == kind) for kind in holders}
+    found = {kind: (len(holders[kind]), size / total) for kind, size in owned.items()
+             if total and size / total >= UNTUNED_SHARE}
     if found:
         log.info("not tuned, as no module_types names them: %s", ", ".join(
             f"{kind} ×{count} ({100 * share:.0f} % of the weights)" for kind, (count, share) in found.items()))

@@ -77,3 +77,23 @@ def test_a_type_holding_much_of_the_weights_that_no_module_types_names_is_said_t
     assert "not tuned, as no module_types names them: Embedding ×1 (99 % of the weights)" in caplog.text
     assert untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig(module_types=["Embedding",
                                                                                               "Linear"])])) == {}
+
+
+class TiedLanguageModel(nn.Module):
+    """An output projection sharing the embedding table (tie_word_embeddings), as Gemma and BART have."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body, self.lm_head = nn.Embedding(1000, 32), nn.Linear(32, 32), nn.Linear(32, 1000)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.body(self.embed(ids)))
+
+
+def test_a_tied_weight_counts_once_in_the_share_of_the_weights_left_untuned():
+    """The table was counted twice in the total (once per module holding it): 'x % of the weights' was wrong."""
+    model = TiedLanguageModel()
+    untuned = untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig()]))
+    unique = 32000 + 32 * 32 + 32 + 1000
+    assert untuned == {"Embedding": (1, pytest.approx(32000 / unique))}
