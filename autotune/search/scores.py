@@ -77,7 +77,7 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
 OWN_CALLERS_ATTR = "model_called_by_its_methods"
 GRAD_MODE_ATTR = "eval_grad_mode"   # the autograd mode of eval_fn's calls of the model (capture.grad_mode)
 # The latency_inputs the study times at where the config names none: the recorded calls standing for a generation's
-# first call and its steps, weighted as eval_fn made them (capture.HowCalled.calls_to_time).
+# first call and its steps, weighted by their share of eval_fn's time (_choose_timed_calls).
 TIMED_CALLS_ATTR = "timed_calls"
 
 
