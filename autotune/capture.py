@@ -192,8 +192,10 @@ def _never_called(called: str, children: dict[str, set[str]]) -> str:
 
 
 def _callers_of(model: nn.Module) -> list[str]:
-    """The methods of `model` on the stack now, as "Class.method"."""
-    return [frame.f_code.co_qualname for frame in _methods_running(model, inspect.currentframe())]
+    """The methods of `model` on the stack now, as "Class.method" (not the wrappers decorators put around them,
+    transformers' `can_return_tuple.<locals>.wrapper`)."""
+    names = (frame.f_code.co_qualname for frame in _methods_running(model, inspect.currentframe()))
+    return [name for name in names if "<locals>" not in name]
 
 
 def _methods_running(module: nn.Module, frame: FrameType | None) -> list[FrameType]:
