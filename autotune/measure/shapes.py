@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import as_call_inputs, failure_of, to_device
+from autotune.capture import as_call_inputs, failure_of, holds_state, to_device
 from autotune.config.file import call_factory
 from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.errors import ConfigError
+from autotune.measure.latency import measure_latency
 from autotune.tree import map_tensors
 
 PerModule = dict[str, dict[str, float]]
@@ -96,6 +97,29 @@ def latency_shapes(config: TuningConfig, recorded: list[CallInputs], device: tor
                    f"captured batch ({batch_size(recorded[0])}), so give a factory for this shape" if resized else ""),
                 [(f"latency_inputs.{index}", "the model fails on these inputs")])
     return shapes
+
+
+def time_weighted(calls: list[LatencyInput], recorded: list[CallInputs], fp32: nn.Module,
+                  num_threads: int | None) -> tuple[list[LatencyInput], float] | None:
+    """A generation's chosen calls, its first and a later one (capture.HowCalled.calls_to_time: the later weighted by
+    how many follow each first), with the later's weight multiplied by its fp32 time as a share of the first's, so
+    that the weighted mean of their latency ratios is the ratio of the whole generation's time. Returns them and that
+    share; None where the later call does the first's work (tensors of the same shapes and no state: more batches
+    of one shape, as sentence-transformers' encode feeds), so the first stands for all."""
+    first, later = calls
+    if not holds_state(recorded[later.call]) and _shapes(recorded[first.call]) == _shapes(recorded[later.call]):
+        return None
+    timed = measure_latency({"first": fp32, "later": fp32},
+                            {"first": recorded[first.call], "later": recorded[later.call]},
+                            warmup=2, repeats=5, num_threads=num_threads)
+    share = timed["later"].ratio_to(timed["first"])   # round by round: a load spike moves one round alone
+    return [first, later.model_copy(update={"weight": round(later.weight * share, 3)})], share
+
+
+def _shapes(inputs: CallInputs) -> list[torch.Size]:
+    found: list[torch.Size] = []
+    map_tensors(inputs, lambda t: found.append(t.shape))
+    return found
 
 
 def weighted_ratio(ratios: dict[str, float], shapes: list[Shape]) -> float:

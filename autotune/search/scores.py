@@ -21,14 +21,13 @@ from optuna.storages import RDBStorage
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import HowCalled, holds_state, run_capturing
+from autotune.capture import HowCalled, run_capturing
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.errors import ConfigError, EvalFunctionError
-from autotune.measure.latency import measure_latency
+from autotune.measure.shapes import time_weighted
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
-from autotune.tree import tensors
 
 log = logging.getLogger("autotune")
 
@@ -108,30 +107,19 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
 def _choose_timed_calls(study: optuna.Study, config: TuningConfig, how: HowCalled, fp32: nn.Module,
                         recorded: list[CallInputs] | None) -> None:
     """Where the model's own methods call it again and again (a generation: the prompt's call, then a step per
-    position), records the `recorded` calls standing for each kind, weighted by their share of eval_fn's time in
-    fp32 (how many of each kind it made, times one's fp32 time): the weighted mean of their latency ratios is
-    then the ratio of a whole generation's time. Without `recorded` (example_inputs are what latency is measured
-    on), says how to name them."""
+    position), records the `recorded` calls standing for each kind, weighted by their share of eval_fn's time
+    (shapes.time_weighted). Without `recorded` (example_inputs are what latency is measured on), says how to name
+    them."""
     calls = how.calls_to_time() if recorded is not None else []
-    if calls and _same_work(recorded[calls[0].call], recorded[calls[1].call]):
-        return    # more batches of one shape (sentence-transformers' encode): the first call stands for them all
-    if calls:
-        timed = measure_latency({str(c.call): fp32 for c in calls}, {str(c.call): recorded[c.call] for c in calls},
-                                warmup=2, repeats=5, num_threads=config.num_threads)
-        share = timed[str(calls[1].call)].ratio_to(timed[str(calls[0].call)])   # round by round: load spikes pass
-        weight = round(calls[1].weight * share, 3)
-        studies.set_attr(study, TIMED_CALLS_ATTR, [calls[0].model_dump(exclude_defaults=True),
-                                                   {"call": calls[1].call, "weight": weight}])
+    chosen = time_weighted(calls, recorded, fp32, config.num_threads) if calls else None
+    if chosen is not None:
+        (first, later), share = chosen
+        studies.set_attr(study, TIMED_CALLS_ATTR, [call.model_dump(exclude_defaults=True) for call in (first, later)])
         log.info("eval_fn calls the model through its own methods (%s), %g more times after each first call, each "
                  "at %.3f of its fp32 time: latency is measured at the first call and the next, weighted 1 : %g",
-                 ", ".join(sorted(how.own_callers)), calls[1].weight, share, weight)
-    elif how.later_calls:   # a generation timed at example_inputs alone
+                 ", ".join(sorted(how.own_callers)), calls[1].weight, share, later.weight)
+    elif how.later_calls and not calls:   # a generation timed at example_inputs alone
         log.warning("eval_fn calls the model through its own methods (%s), and only its first call is timed: "
                     "to time the calls after it too (generate's steps), set latency_inputs: [{call: 0}, {call: 1, "
                     "weight: W}], W = the steps per first call x a step's time / the first call's, or give no "
                     "example_inputs: the tuner then chooses and weighs them", ", ".join(sorted(how.own_callers)))
-
-
-def _same_work(first: CallInputs, later: CallInputs) -> bool:
-    """Whether two calls take tensors of the same shapes and no state (a cache) that would make them differ."""
-    return not holds_state(later) and [t.shape for t in tensors(first)] == [t.shape for t in tensors(later)]
