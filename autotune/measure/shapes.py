@@ -19,7 +19,7 @@ from autotune.config.file import call_factory
 from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.errors import ConfigError
 from autotune.measure.latency import measure_latency
-from autotune.tree import map_tensors
+from autotune.tree import map_tensors, tensors
 
 PerModule = dict[str, dict[str, float]]
 
@@ -107,19 +107,14 @@ def time_weighted(calls: list[LatencyInput], recorded: list[CallInputs], fp32: n
     share; None where the later call does the first's work (tensors of the same shapes and no state: more batches
     of one shape, as sentence-transformers' encode feeds), so the first stands for all."""
     first, later = calls
-    if not holds_state(recorded[later.call]) and _shapes(recorded[first.call]) == _shapes(recorded[later.call]):
+    same_shapes = [t.shape for t in tensors(recorded[first.call])] == [t.shape for t in tensors(recorded[later.call])]
+    if same_shapes and not holds_state(recorded[later.call]):
         return None
     timed = measure_latency({"first": fp32, "later": fp32},
                             {"first": recorded[first.call], "later": recorded[later.call]},
                             warmup=2, repeats=5, num_threads=num_threads)
     share = timed["later"].ratio_to(timed["first"])   # round by round: a load spike moves one round alone
     return [first, later.model_copy(update={"weight": round(later.weight * share, 3)})], share
-
-
-def _shapes(inputs: CallInputs) -> list[torch.Size]:
-    found: list[torch.Size] = []
-    map_tensors(inputs, lambda t: found.append(t.shape))
-    return found
 
 
 def weighted_ratio(ratios: dict[str, float], shapes: list[Shape]) -> float:
