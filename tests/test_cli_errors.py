@@ -132,6 +132,26 @@ def test_a_ctrl_c_python_drops_in_a_finalizer_still_ends_the_command_as_interrup
     assert sys.unraisablehook is hook_before
 
 
+def test_a_ctrl_c_that_breaks_a_librarys_clean_up_ends_the_command_as_interrupted():
+    """Optuna's trial clean-up reads a variable its KeyboardInterrupt left unset: the user saw 'unexpected
+    UnboundLocalError' and exit 1 for a Ctrl-C."""
+    @main.command("ctrl-c-in-a-clean-up")
+    def command():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)      # the handler raises here
+            state = "told"
+        finally:
+            print(state)       # noqa: F821 - unset: the interrupt came first
+
+    try:
+        result = run("ctrl-c-in-a-clean-up")
+    finally:
+        main.commands.pop("ctrl-c-in-a-clean-up")
+    assert_one_error_line(result, 130, "interrupted; every finished trial is kept")
+    assert "UnboundLocalError" not in result.output
+
+
 def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path):
     data = yaml.safe_load(SHIPPED.read_text())
     data["evaluation"]["kwargs"]["limit"] = 500

@@ -91,17 +91,22 @@ class _Group(click.Group):
         except Exception as exc:
             if ctx.params.get("debug"):
                 raise
+            if interrupts.received:    # what the Ctrl-C broke on its way (optuna's trial clean-up: UnboundLocalError)
+                _interrupted(ctx)
             raise _as_cli_error(exc) from None
         except KeyboardInterrupt:
             if ctx.params.get("debug"):
                 raise
-            click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume",
-                       err=True)
-            ctx.exit(INTERRUPTED)
+            _interrupted(ctx)
         finally:
             sys.unraisablehook = previous_hook
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(ctx: click.Context) -> None:
+    click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume", err=True)
+    ctx.exit(INTERRUPTED)
 
 
 def _as_cli_error(exc: Exception) -> click.ClickException:
