@@ -4,7 +4,7 @@ from conftest import RecordedEval, assert_one_call_per_trial, assert_state_equal
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.plan import plan_key
+from autotune.plan import plan_key, uniform_plan
 from autotune.search import SearchSpace
 from autotune.storage.study import evaluated_trials, trial_plan
 from autotune.workloads.mnist import accuracy_eval
@@ -41,7 +41,12 @@ def test_tuned_mnist_is_within_tolerance_faster_than_fp32_and_the_model_is_untou
     result = autotune(mnist_model, config, eval_fn)
     stored = optuna.load_study(study_name="mnist", storage=storage)   # plain Optuna reads it back
     trials = evaluated_trials(stored)
-    assert_measured_dtypes_only(stored, [result.plan, *(trial_plan(t) for t in trials)])
+    # The winner may be a uniform finalist, which every engine gets over the dtypes timed however its modules timed
+    # alone (ed3be31: the race times the whole model); any other winner keeps to the rule.
+    timed = {name: list(costs) for name, costs in stored.user_attrs["autotune.module_latency_ms"].items()}
+    uniform = {plan_key(uniform_plan(timed, dtype)) for dtype in ("int8", "bf16", "fp16")}
+    winner = [] if plan_key(result.plan) in uniform else [result.plan]
+    assert_measured_dtypes_only(stored, [*winner, *(trial_plan(t) for t in trials)])
 
     assert set(result.plan) == MODULES
     assert set(result.plan.values()) != {"fp32"}     # which dtypes are fastest depends on the host's CPU
