@@ -18,7 +18,8 @@ from autotune.backends.base import CallInputs
 from autotune.config.tuning import LatencyInput
 from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
-from autotune.tree import map_tensors
+from autotune.model_call import ModelCall, after_entries, entries_of, linked
+from autotune.tree import map_tensors, tensors
 
 # What a forward cannot change in place; any other object it is called with may be state that it does change.
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
@@ -146,12 +147,15 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     the error raised where the model was never called and inputs are `required` (none were given).
     """
     recorded: list[CallInputs] = []
+    entries = _EntryCalls(model)
 
     def hook(module, args, kwargs):
         if how is not None:
             how.saw(module)
         if len(recorded) < batches:
-            recorded.append((detach_clone(args), detach_clone(kwargs)))
+            recorded.append(entries.before(args, kwargs))
+            if len(recorded) == batches:
+                entries.close()
         if stop_early and len(recorded) >= batches:
             raise _Captured
 
@@ -173,6 +177,7 @@ def run_capturing(model: nn.Module, eval_fn: Callable[[nn.Module], Any], stop_ea
     except _Captured:
         pass
     finally:
+        entries.close()
         for handle in handles:
             handle.remove()
     if not recorded and required:
@@ -208,16 +213,71 @@ def _methods_running(module: nn.Module, frame: FrameType | None) -> list[FrameTy
     return found
 
 
-def _own_callers(module: nn.Module) -> list[FrameType]:
-    """The frames of the methods of `module` itself on the stack, innermost first, where one of them is calling it
-    now (transformers' `generate` calls `self(...)` at each step); [] where code outside the module calls it.
-    Called from a forward pre-hook."""
+def _own_callers(module: nn.Module, owner: nn.Module | None = None) -> list[FrameType]:
+    """The frames of the methods of `owner` (default: `module` itself) on the stack, innermost first, where one of
+    them is calling `module` now (transformers' `generate` calls `self(...)` at each step, and the encoder before
+    them); [] where other code calls it. Called from a forward pre-hook."""
+    owner = module if owner is None else owner
     frame = inspect.currentframe()
     while frame is not None and (frame.f_code.co_filename in (__file__, nn.Module.__call__.__code__.co_filename)):
         frame = frame.f_back      # this module's functions, the hook, and nn.Module's call machinery
-    if frame is None or frame.f_locals.get("self") is not module:
+    if frame is None or frame.f_locals.get("self") is not owner:
         return []
-    return _methods_running(module, frame)
+    return _methods_running(owner, frame)
+
+
+class _EntryCalls:
+    """The calls of `model`'s submodules that its own methods make outside its forward (generate running the
+    encoder), each with its inputs and its output's tensors, until the model's next call in the same run of those
+    methods takes them (`before`): see autotune.model_call."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.forwards, self.run = model, 0, None
+        self.pending: list[tuple[str, CallInputs, list[torch.Tensor]]] = []
+        self.handles = [model.register_forward_pre_hook(self._entered),
+                        model.register_forward_hook(self._left, always_call=True),
+                        *(module.register_forward_pre_hook(functools.partial(self._called, path=path),
+                                                           with_kwargs=True)
+                          for path, module in model.named_modules()
+                          if path and not isinstance(module, torch.jit.ScriptModule))]
+
+    def _entered(self, module, args):
+        self.forwards += 1
+
+    def _left(self, module, args, output):
+        self.forwards -= 1
+
+    def _called(self, module, args, kwargs, path):
+        if self.forwards:     # a part of the model's forward
+            return
+        callers = _own_callers(module, self.model)
+        if not callers:       # the model's modules calling their own parts, or code outside the model
+            return
+        if callers[-1] is not self.run:
+            self.pending, self.run = [], callers[-1]
+        entry = (path, (detach_clone(args), detach_clone(kwargs)), [])
+        self.pending.append(entry)
+
+        def keep(module, args, output):
+            entry[2].extend(tensors(output))
+            handle.remove()
+        handle = module.register_forward_hook(keep)
+
+    def before(self, args: tuple, kwargs: dict) -> CallInputs:
+        """The model's call on (args, kwargs), recorded: with the entries its run made since its last call."""
+        callers = _own_callers(self.model)
+        pending = self.pending if callers and callers[-1] is self.run else []
+        self.pending = []
+        recorded = (detach_clone(args), detach_clone(kwargs))
+        if not pending:
+            return recorded
+        return ModelCall(recorded, [(path, inputs) for path, inputs, _ in pending],
+                         linked((args, kwargs), [found for _, _, found in pending]))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:
@@ -254,7 +314,8 @@ def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
 
 
 def call(model: nn.Module, inputs: CallInputs) -> Any:
-    args, kwargs = fresh(inputs)
+    inputs = fresh(inputs)
+    args, kwargs = after_entries(model, inputs) if entries_of(inputs) else inputs
     return model(*args, **kwargs)
 
 

@@ -167,8 +167,7 @@ def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dic
     if skipped:
         log.info("%d tunable modules are never called by the forward on the captured batch (their parent reads "
                  "their weights, they are unused, only other inputs reach them, or eval_fn calls them apart from "
-                 "the model's forward, as generate runs an encoder once before its steps), so they stay as they "
-                 "are: %s%s",
+                 "the model's forward and its own methods), so they stay as they are: %s%s",
                  len(skipped), ", ".join(skipped[:5]),
                  f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     if not kept:

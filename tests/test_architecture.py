@@ -13,7 +13,7 @@ LAYERS = [
     ["autotune.errors", "autotune.tree", "autotune.clone", "autotune.timeout", "autotune.fused_paths"],
     ["autotune.backends"],
     ["autotune.config.tuning"],
-    ["autotune.plan", "autotune.discovery", "autotune.capture", "autotune.dataset_eval"],
+    ["autotune.plan", "autotune.discovery", "autotune.capture", "autotune.model_call", "autotune.dataset_eval"],
     ["autotune.engines"],
     ["autotune.config"],
     ["autotune.storage"],

@@ -1,5 +1,6 @@
 """Inputs a forward changes in place: transformers' `generate` passes one KV cache object to every step and the model
 appends to it. What the tuner records and replays must compute what the recorded call did."""
+import copy
 import json
 import logging
 import re
@@ -10,9 +11,11 @@ from click.testing import CliRunner
 from torch import nn
 
 from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune
-from autotune.capture import HowCalled, call, fresh, holds_state, run_capturing
+from autotune.capture import HowCalled, call, fresh, holds_state, record_module_inputs, run_capturing, to_device
 from autotune.cli import main
 from autotune.engines import CALLS_ITSELF, compile_model
+from autotune.measure.sensitivity import module_sensitivity
+from autotune.measure.shapes import resize_batch
 
 MAX_POSITIONS = 16
 
@@ -268,3 +271,60 @@ def test_batches_an_encode_method_feeds_are_timed_apart_only_where_their_shapes_
     result = autotune(model, config, eval_fn)
     names = [shape.name for shape in result.shapes]
     assert names == (["batch 4"] if lengths[1] == lengths[0] else ["call 0, batch 4", "call 1, batch 4"])
+
+
+class TinyTranslator(nn.Module):
+    """An encoder-decoder generating as transformers' does: its generate runs the encoder once, then calls the
+    model on the encoder's output at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 32))
+        self.decoder = TinyDecoder()
+
+    def forward(self, x, memory, cache: KVCache):
+        return self.decoder(x, cache=cache) + self.decoder.head(memory.mean(1))
+
+    def generate(self, prompt, steps=4):
+        memory, cache, x, out = self.encoder(prompt), KVCache(), prompt[:, :2], []
+        for _ in range(steps):
+            last = self(x, memory=memory, cache=cache)
+            out.append(last)
+            x = last.unsqueeze(1)
+        return torch.stack(out, 1)
+
+
+def test_the_encoder_a_generation_runs_first_is_recorded_with_its_first_call_and_feeds_it_when_replayed():
+    torch.manual_seed(0)
+    model = TinyTranslator().eval()
+    with torch.no_grad():
+        _, recorded = run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False)
+        first, step = recorded[0], recorded[1]
+        assert [path for path, _ in first.entries] == ["encoder"] and not hasattr(step, "entries")
+        assert torch.equal(first.entries[0][1][0][0], PROMPT)
+        memory = first[1]["memory"]
+        assert torch.equal(call(model, first), model(first[1]["x"] if "x" in first[1] else first[0][0],
+                                                     memory=memory, cache=KVCache()))
+        for copied in (copy.deepcopy(first), to_device(first, torch.device("cpu")), resize_batch(first, 2)):
+            assert copied.links == first.links and [p for p, _ in copied.entries] == ["encoder"]
+        assert resize_batch(first, 2).entries[0][1][0][0].shape[0] == 2
+        lowered = module_sensitivity(model, {"encoder.2": ["int8", "fp32"]}, first,
+                                     record_module_inputs(model, ["encoder.2"], first))
+        assert lowered["encoder.2"]["int8"] > 0            # lowering it shows in the model's output
+        model.encoder[0].weight.data.mul_(1.5)             # the encoder's output is made again and fed in
+        changed = call(model, first)
+        assert not torch.equal(changed, model(*first[0], **fresh(first)[1]))
+        assert torch.equal(changed, model(*first[0], **{**fresh(first)[1], "memory": model.encoder(PROMPT)}))
+
+
+def test_a_generations_encoder_is_timed_measured_and_tuned_with_the_model(storage):
+    """Its modules were never called by the model's recorded calls: they stayed fp32, untimed and unmeasured."""
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=3, repeats=3, storage=storage)
+    _, result, _ = tune_by_generation(config, model_class=TinyTranslator)
+    attrs = result.study.user_attrs
+    by_shape = attrs["autotune.module_latency_ms_by_shape"]
+    assert by_shape["call 0, batch 4"]["encoder.0"]["fp32"] > 0 and by_shape["call 1, batch 4"]["encoder.0"] == {
+        "int8": 0.0, "fp32": 0.0}
+    assert {"encoder.0", "encoder.2"} <= set(attrs["autotune.module_latency_ms"]) & set(attrs["autotune.sensitivity"])
+    assert {"encoder.0", "encoder.2"} <= set(result.plan)

@@ -1,0 +1,65 @@
+"""A recorded call of the model together with the submodule calls its own method made just before it.
+
+transformers' `generate` on an encoder-decoder runs the encoder (`self.get_encoder()(...)`) and then calls the
+model with the encoder's output as an input: recorded alone, that call would hand the decoder the fp32 encoder's
+output, and the encoder would be neither timed, calibrated nor measured for sensitivity. A `ModelCall` makes the
+entries again, in order, and feeds their outputs in where the recorded call had them, so whatever runs a recorded
+call (`capture.call`) runs and times the encoder as generate does, and lowering an encoder module shows in the
+model's output.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from autotune.tree import map_tensors, tensors
+
+Entry = tuple[str, tuple[tuple[Any, ...], dict[str, Any]]]   # (submodule path, (args, kwargs))
+
+
+class ModelCall(tuple):
+    """(args, kwargs) of one call of the model, with `entries`: the (path, inputs) of the submodule calls made
+    before it, in order, and `links`: {position of a tensor in tree.tensors((args, kwargs)): (entry, position of
+    the tensor in tree.tensors(that entry's output))}, the inputs that were those entries' outputs."""
+    entries: tuple[Entry, ...]
+    links: dict[int, tuple[int, int]]
+
+    def __new__(cls, pair: tuple, entries: tuple[Entry, ...] | list[Entry] = (),
+                links: dict[int, tuple[int, int]] | None = None):
+        made = super().__new__(cls, pair)
+        made.entries, made.links = tuple(entries), dict(links or {})
+        return made
+
+    def remapped(self, fn: Callable[[Any], Any]) -> ModelCall:
+        """A copy with its args, kwargs and every entry's inputs passed through `fn` (how tree.map_tensors walks
+        it, so moving, resizing or cloning a recorded call does the same to its entries)."""
+        return ModelCall((fn(self[0]), fn(self[1])), [(path, fn(inputs)) for path, inputs in self.entries],
+                         self.links)
+
+
+def entries_of(inputs: Any) -> tuple[Entry, ...]:
+    return getattr(inputs, "entries", ())
+
+
+def linked(live: tuple, outputs: list[list[Any]]) -> dict[int, tuple[int, int]]:
+    """ModelCall.links for a call on `live` (args, kwargs) after entries that returned `outputs` (each as
+    tree.tensors): the inputs that are one of those very tensors."""
+    where = {id(t): (entry, index) for entry, found in enumerate(outputs) for index, t in enumerate(found)}
+    return {position: where[id(t)] for position, t in enumerate(tensors(live)) if id(t) in where}
+
+
+def after_entries(model: nn.Module, inputs: ModelCall) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Makes the entries' calls on `model` (the model the call is for: its submodules, lowered or not) and returns
+    the call's (args, kwargs) with their outputs fed in where `links` says."""
+    outputs = []
+    for path, (args, kwargs) in inputs.entries:
+        outputs.append(tensors(model.get_submodule(path)(*args, **kwargs)))
+    position = itertools.count()
+
+    def fed(t):
+        link = inputs.links.get(next(position))
+        return t if link is None else outputs[link[0]][link[1]]
+    return map_tensors((inputs[0], inputs[1]), fed)
