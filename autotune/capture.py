@@ -55,9 +55,45 @@ def holds_state(inputs: CallInputs) -> bool:
     return bool(found)
 
 
-def fresh(inputs: CallInputs) -> CallInputs:
-    """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`)."""
-    return map_tensors(inputs, lambda t: t, _snapshot) if holds_state(inputs) else inputs
+# A mark on a model that keeps its state in another dtype than the fp32 model that recorded it (the lowp engine's, in
+# bf16: generate's KV cache holds what its own calls computed): `call` gives it the recorded state in that dtype.
+STATE_DTYPE = "autotune_state_dtype"
+
+
+def fresh(inputs: CallInputs, state_dtype: torch.dtype | None = None) -> CallInputs:
+    """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`), their fp32
+    tensors and dtype attributes converted to `state_dtype` where given."""
+    if not holds_state(inputs):
+        return inputs
+    return map_tensors(inputs, lambda t: t, lambda leaf: _converted_copy(leaf, state_dtype))
+
+
+def _converted_copy(leaf: Any, dtype: torch.dtype | None) -> Any:
+    copied = _snapshot(leaf)
+    return copied if copied is leaf else _in_dtype(copied, dtype, set())   # never the recorded object itself
+
+
+def _in_dtype(value: Any, dtype: torch.dtype | None, seen: set[int]) -> Any:
+    """`value` with the fp32 tensors and float32 dtype attributes in it, at any depth of objects, lists and dicts,
+    converted to `dtype` in place (on a copy: `fresh`); `value` itself, converted, for a tensor or a dtype."""
+    if dtype is None or id(value) in seen:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == torch.float32 else value
+    if isinstance(value, torch.dtype):
+        return dtype if value == torch.float32 else value
+    seen.add(id(value))
+    items = (enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict)
+             else vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module))
+             else ())
+    for key, item in list(items):
+        converted = _in_dtype(item, dtype, seen)
+        if converted is not item:
+            if isinstance(value, (list, dict)):
+                value[key] = converted
+            else:
+                setattr(value, key, converted)
+    return value
 
 
 class _Captured(BaseException):
@@ -314,7 +350,7 @@ def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
 
 
 def call(model: nn.Module, inputs: CallInputs) -> Any:
-    inputs = fresh(inputs)
+    inputs = fresh(inputs, getattr(model, STATE_DTYPE, None))
     args, kwargs = after_entries(model, inputs) if entries_of(inputs) else inputs
     return model(*args, **kwargs)
 

@@ -740,6 +740,26 @@ def test_a_resumed_study_builds_and_compiles_nothing_it_did_before(tmp_path, mon
         assert torch.allclose(again.model(x), first.model(x))
 
 
+def test_finalists_kept_by_other_code_are_built_again_not_read_back(tmp_path, monkeypatch):
+    """A finalist is pickled as the code of its day built it: read back after an upgrade (or a local change to an
+    engine), it kept that code's behaviour, e.g. a low-precision model without the marks a newer build sets."""
+    from autotune.engines import cache
+
+    builds = []
+    build = CompiledEngine.build
+    monkeypatch.setattr(CompiledEngine, "build", lambda self, *args: builds.append(1) or build(self, *args))
+    model, x = mlp(), batches(1)[0][0][0]
+    autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    assert builds
+    builds.clear()
+    ours = cache.code_version()
+    monkeypatch.setattr(cache, "code_version", lambda: "0ther0de")
+    again = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())   # resumed
+    assert builds and again.engine == "compiled"
+    assert sorted(folder.name.rsplit("-", 1)[1] for folder in (tmp_path / "cache" / "engines").iterdir()) == sorted(
+        [ours, "0ther0de"])
+
+
 def test_a_new_study_of_another_model_of_the_class_builds_its_own_finalists(tmp_path, monkeypatch):
     """The same class and search space give the same study name; in a new storage (or with the old database
     deleted) a retrained model's run must not read back the old model's compiled finalists, weights and all."""

@@ -328,3 +328,22 @@ def test_a_generations_encoder_is_timed_measured_and_tuned_with_the_model(storag
         "int8": 0.0, "fp32": 0.0}
     assert {"encoder.0", "encoder.2"} <= set(attrs["autotune.module_latency_ms"]) & set(attrs["autotune.sensitivity"])
     assert {"encoder.0", "encoder.2"} <= set(result.plan)
+
+
+@pytest.mark.parametrize("model_class", [TinyDecoder, TinyTranslator])
+def test_the_low_precision_model_replays_recorded_calls_with_their_cache_and_encoder_in_its_dtype(model_class):
+    """The recorded cache held the fp32 model's keys, and its encoder got the fp32 prompt: the bf16 model failed on
+    both (mat1 and mat2 must have the same dtype), so the lowp engine was dropped for every generated model."""
+    from autotune.engines import Calibration, LowPrecisionEngine
+
+    torch.manual_seed(0)
+    model = model_class().eval()
+    with torch.no_grad():
+        _, recorded = run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False)
+        names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        low = LowPrecisionEngine().build(model, dict.fromkeys(names, "bf16"), Calibration(recorded, {}))
+        for recorded_call in recorded[:2]:
+            out, reference = call(low, recorded_call), call(model, recorded_call)
+            assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.1, rtol=0.1)
+    cache = recorded[1][1]["cache"]
+    assert cache.keys and all(key.dtype == torch.float32 for key in cache.keys)   # the record itself unchanged

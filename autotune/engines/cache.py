@@ -4,6 +4,8 @@ and plan, and the compiler's own artefacts (`torch.compiler.save_cache_artifacts
 is specific to the CPU or GPU it was made for, so each machine keeps its own."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -22,6 +24,16 @@ log = logging.getLogger("autotune")
 COMPILER_ARTEFACTS = "compiler.bin"
 
 
+@functools.cache
+def code_version() -> str:
+    """A hash of this package's source: a finalist built by other code (another release, a local change to how an
+    engine builds) is built again, not read back as that code left it."""
+    digest = hashlib.sha1()
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 class CompileCache:
     def __init__(self, folder: Path | None):
         self.folder = folder   # None: nothing is kept
@@ -30,8 +42,9 @@ class CompileCache:
     @classmethod
     def for_study(cls, root: str | None, study_name: str, built_from: str) -> CompileCache:
         """The folder of one study's finalists built from one model and its calibration batches (`built_from`,
-        storage.study.built_from)."""
-        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) / built_from if root else None)
+        storage.study.built_from) by this code (`code_version`)."""
+        folder = f"{built_from}-{code_version()}"
+        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) / folder if root else None)
 
     def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
               inputs: CallInputs, knobs: tuple[str, ...] = ()) -> nn.Module:
