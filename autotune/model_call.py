@@ -44,6 +44,11 @@ def entries_of(inputs: Any) -> tuple[Entry, ...]:
     return getattr(inputs, "entries", ())
 
 
+def entry_paths(batches: list[Any]) -> tuple[str, ...]:
+    """The submodules the recorded `batches` make entry calls of, once each, in the order first called."""
+    return tuple(dict.fromkeys(path for batch in batches for path, _ in entries_of(batch)))
+
+
 def linked(live: tuple, outputs: list[list[Any]]) -> dict[int, tuple[int, int]]:
     """ModelCall.links for a call on `live` (args, kwargs) after entries that returned `outputs` (each as
     tree.tensors): the inputs that are one of those very tensors."""

@@ -347,3 +347,26 @@ def test_the_low_precision_model_replays_recorded_calls_with_their_cache_and_enc
             assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.1, rtol=0.1)
     cache = recorded[1][1]["cache"]
     assert cache.keys and all(key.dtype == torch.float32 for key in cache.keys)   # the record itself unchanged
+
+
+class ProbedEncoder(nn.Sequential):
+    def forward(self, x):
+        self.compiled_calls.append(torch.compiler.is_compiling())
+        return super().forward(x)
+
+
+def test_the_encoder_generate_calls_apart_is_compiled_in_place_with_the_model_and_said_so():
+    from autotune.engines import ENTRIES
+    from autotune.engines.base import how_to_compile
+
+    model = TinyTranslator().eval()
+    model.encoder = ProbedEncoder(*model.encoder)
+    model.encoder.compiled_calls = []
+    setattr(model, CALLS_ITSELF, True)
+    setattr(model, ENTRIES, ("encoder",))
+    with torch.no_grad():
+        compile_model(model).generate(PROMPT)
+        compile_model(model).generate(PROMPT)
+    assert model.encoder.compiled_calls == [True, True]
+    assert how_to_compile("torch.load(path)", model) == (
+        "model = torch.load(path); model.compile(); model.get_submodule('encoder').compile()")

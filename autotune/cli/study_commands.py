@@ -32,8 +32,9 @@ from autotune.cli.base import (
 from autotune.clone import clone
 from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
 from autotune.discovery import search_candidates, uncompiled
-from autotune.engines import CALLS_ITSELF, ENGINES, KNOBS, Calibration, get_engine, realise, with_knobs
+from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError
+from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import formatted, table
 from autotune.search.scores import OWN_CALLERS_ATTR, TIMED_CALLS_ATTR
@@ -311,6 +312,8 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
         if reason is not None:   # e.g. a plan tuned on a GPU, applied to a model configured for the CPU
             raise CliError(f"{plan_path}: knob {knob} does not apply to this model: {reason}")
     batches = calibration_batches(config, model)
+    if saved.compile_in_place:
+        setattr(model, ENTRIES, entry_paths(batches))   # generate's encoder, compiled in place as tuning did
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
     built = realise(with_knobs(model, knobs), plan, engine, calibration)

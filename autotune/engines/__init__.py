@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autotune.engines.base import CALLS_ITSELF, Calibration, Engine, EngineUnavailable, compile_model
+from autotune.engines.base import CALLS_ITSELF, ENTRIES, Calibration, Engine, EngineUnavailable, compile_model
 from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
@@ -47,6 +47,6 @@ def get_engine(name: str) -> Engine:
         raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["CALLS_ITSELF", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine",
+__all__ = ["CALLS_ITSELF", "ENTRIES", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine",
            "EngineUnavailable", "ENGINES", "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine",
            "get_engine", "realise", "with_knobs"]

@@ -35,6 +35,9 @@ _OPTIONS = set(inspect.signature(torch.compile).parameters)
 # every step): torch.compile's wrapper compiles only the calls made to the wrapper, so such a model is compiled in
 # place instead (`nn.Module.compile`), on a copy sharing its modules, and its methods' calls run compiled.
 CALLS_ITSELF = "autotune_calls_itself"
+# Beside it: the paths of the submodules those methods call apart from the forward (generate runs an encoder-decoder's
+# encoder so, autotune.model_call), compiled in place too.
+ENTRIES = "autotune_entries"
 
 
 def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = False,
@@ -50,6 +53,10 @@ def compile_model(model: nn.Module, mode: str | None = None, *, alone: bool = Fa
     if getattr(model, CALLS_ITSELF, False):
         compiled = copy.copy(model)    # its own object, sharing the model's modules and tensors
         compiled.compile(**settings)
+        for path in getattr(model, ENTRIES, ()):
+            entry = compiled.get_submodule(path)
+            _give_own_forward(entry)
+            entry.compile(**settings)
         return compiled
     return torch.compile(model, **settings)
 
@@ -85,7 +92,9 @@ def how_to_compile(loaded: str, built: nn.Module) -> str:
     """How a user compiles what `save` wrote (`loaded`: the expression that loads it) as `runnable` does."""
     mode = getattr(built, COMPILE_MODE, None)
     if getattr(built, CALLS_ITSELF, False):
-        return f"model = {loaded}; model.compile({f'mode={mode!r}' if mode else ''})"
+        how = f".compile({f'mode={mode!r}' if mode else ''})"
+        entries = "".join(f"; model.get_submodule({path!r}){how}" for path in getattr(built, ENTRIES, ()))
+        return f"model = {loaded}; model{how}{entries}"
     return f"torch.compile({loaded}, mode={mode!r})" if mode else f"torch.compile({loaded})"
 
 

@@ -16,7 +16,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import STATE_DTYPE
 from autotune.clone import clone
 from autotune.engines.base import Calibration, compile_runnable, how_to_compile
-from autotune.model_call import entries_of
+from autotune.model_call import entry_paths
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 
@@ -62,7 +62,7 @@ class LowPrecisionEngine:
         model = clone(fp32).to(low)
         _cast_at_edges(model, low, torch.float32)
         setattr(model, STATE_DTYPE, low)       # generate's KV cache: what its own calls computed, in `low`
-        for path in {path for batch in calibration.batches for path, _ in entries_of(batch)}:
+        for path in entry_paths(calibration.batches):
             _cast_at_edges(model.get_submodule(path), low, torch.float32)   # generate's encoder, called apart
         for name, dtype in plan.items():
             if dtype == "fp32":

@@ -15,6 +15,7 @@ from torch import nn
 from autotune.capture import call, without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
+    ENTRIES,
     KNOBS,
     Calibration,
     CompileCache,
@@ -29,6 +30,7 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
+from autotune.model_call import entry_paths
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR
 from autotune.search.trials import TrialRunner
@@ -341,6 +343,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         raise EngineUnavailable(f"{engine.name}: building the plan failed: {describe(exc)}") from exc
     if studies.get_attr(runner.study, OWN_CALLERS_ATTR):
         setattr(built, CALLS_ITSELF, True)   # so eval_fn's calls through its methods run compiled (CALLS_ITSELF)
+        setattr(built, ENTRIES, entry_paths(runner.batches))   # and the encoder generate calls apart
     runnable = engine.runnable(built)
     try:
         with as_eval_fn_calls(runner):
