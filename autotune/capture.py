@@ -249,26 +249,33 @@ def _methods_running(module: nn.Module, frame: FrameType | None) -> list[FrameTy
     return found
 
 
-def _own_callers(module: nn.Module, owner: nn.Module | None = None) -> list[FrameType]:
-    """The frames of the methods of `owner` (default: `module` itself) on the stack, innermost first, where one of
-    them is calling `module` now (transformers' `generate` calls `self(...)` at each step, and the encoder before
-    them); [] where other code calls it. Called from a forward pre-hook."""
-    owner = module if owner is None else owner
+def _caller() -> FrameType | None:
+    """The frame calling the module whose hook runs now: past this file's functions, the hook, and nn.Module's
+    call machinery."""
     frame = inspect.currentframe()
     while frame is not None and (frame.f_code.co_filename in (__file__, nn.Module.__call__.__code__.co_filename)):
-        frame = frame.f_back      # this module's functions, the hook, and nn.Module's call machinery
-    if frame is None or frame.f_locals.get("self") is not owner:
+        frame = frame.f_back
+    return frame
+
+
+def _own_callers(module: nn.Module) -> list[FrameType]:
+    """The frames of the methods of `module` itself on the stack, innermost first, where one of them is calling it
+    now (transformers' `generate` calls `self(...)` at each step); [] where code outside the module calls it.
+    Called from a forward pre-hook."""
+    frame = _caller()
+    if frame is None or frame.f_locals.get("self") is not module:
         return []
-    return _methods_running(owner, frame)
+    return _methods_running(module, frame)
 
 
 class _EntryCalls:
-    """The calls of `model`'s submodules that its own methods make outside its forward (generate running the
-    encoder), each with its inputs and its output's tensors, until the model's next call in the same run of those
-    methods takes them (`before`): see autotune.model_call."""
+    """The calls of `model`'s submodules made apart from its forward (generate running an encoder-decoder's encoder
+    from a method of the model, or eval_fn's own decoding loop doing so), each with its inputs and its output's
+    tensors, until the model's next call takes those made in the same run of its methods, or outside any (`before`):
+    see autotune.model_call. Calls within the forward or within such a call are parts of them."""
 
     def __init__(self, model: nn.Module):
-        self.model, self.forwards, self.run = model, 0, None
+        self.model, self.within, self.run = model, 0, None
         self.pending: list[tuple[str, CallInputs, list[torch.Tensor]]] = []
         self.handles = [model.register_forward_pre_hook(self._entered),
                         model.register_forward_hook(self._left, always_call=True),
@@ -277,32 +284,33 @@ class _EntryCalls:
                           for path, module in model.named_modules()
                           if path and not isinstance(module, torch.jit.ScriptModule))]
 
-    def _entered(self, module, args):
-        self.forwards += 1
+    def _entered(self, *_):
+        self.within += 1
 
-    def _left(self, module, args, output):
-        self.forwards -= 1
+    def _left(self, *_):
+        self.within -= 1
 
     def _called(self, module, args, kwargs, path):
-        if self.forwards:     # a part of the model's forward
+        if self.within:
             return
-        callers = _own_callers(module, self.model)
-        if not callers:       # the model's modules calling their own parts, or code outside the model
-            return
-        if callers[-1] is not self.run:
-            self.pending, self.run = [], callers[-1]
+        methods = _methods_running(self.model, _caller())
+        run = methods[-1] if methods else None
+        if run is not self.run:
+            self.pending, self.run = [], run
         entry = (path, (detach_clone(args), detach_clone(kwargs)), [])
         self.pending.append(entry)
+        self.within += 1
 
-        def keep(module, args, output):
+        def done(module, args, output):
+            self.within -= 1
             entry[2].extend(tensors(output))
             handle.remove()
-        handle = module.register_forward_hook(keep)
+        handle = module.register_forward_hook(done, always_call=True)
 
     def before(self, args: tuple, kwargs: dict) -> CallInputs:
         """The model's call on (args, kwargs), recorded: with the entries its run made since its last call."""
         callers = _own_callers(self.model)
-        pending = self.pending if callers and callers[-1] is self.run else []
+        pending = self.pending if (callers[-1] if callers else None) is self.run else []
         self.pending = []
         recorded = (detach_clone(args), detach_clone(kwargs))
         if not pending:

@@ -317,6 +317,25 @@ def test_the_encoder_a_generation_runs_first_is_recorded_with_its_first_call_and
         assert torch.equal(changed, model(*first[0], **{**fresh(first)[1], "memory": model.encoder(PROMPT)}))
 
 
+def decode_by_hand(model, steps=3):
+    """eval_fn's own greedy loop: the encoder once, then the model at every step."""
+    memory, cache, x, out = model.encoder(PROMPT), KVCache(), PROMPT[:, :2], []
+    for _ in range(steps):
+        out.append(model(x, memory=memory, cache=cache))
+        x = out[-1].unsqueeze(1)
+    model.decoder.embed(out[-1])     # a submodule called after the last call: no call of the model follows it
+    return torch.stack(out, 1)
+
+
+def test_the_encoder_eval_fns_own_decoding_loop_runs_first_is_recorded_with_the_first_call_alone():
+    torch.manual_seed(0)
+    model = TinyTranslator().eval()
+    with torch.no_grad():
+        _, recorded = run_capturing(model, decode_by_hand, stop_early=False)
+    assert [path for path, _ in recorded[0].entries] == ["encoder"] and recorded[0].links
+    assert not any(hasattr(later, "entries") for later in recorded[1:]) and len(recorded) == 3
+
+
 def test_a_generations_encoder_is_timed_measured_and_tuned_with_the_model(storage):
     """Its modules were never called by the model's recorded calls: they stayed fp32, untimed and unmeasured."""
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
