@@ -389,3 +389,21 @@ def test_the_encoder_generate_calls_apart_is_compiled_in_place_with_the_model_an
     assert model.encoder.compiled_calls == [True, True]
     assert how_to_compile("torch.load(path)", model) == (
         "model = torch.load(path); model.compile(); model.get_submodule('encoder').compile()")
+
+
+def test_a_model_whose_encoder_eval_fn_calls_apart_is_tuned_whole_and_the_exported_graph_engine_left_out(storage):
+    torch.manual_seed(0)
+    model = TinyTranslator().eval()
+    with torch.no_grad():
+        reference = decode_by_hand(model)
+
+    def eval_fn(m):
+        with torch.no_grad():
+            return 1 - ((decode_by_hand(m) - reference).norm() / reference.norm()).item()
+    config = TuningConfig(engines=["eager", "compiled"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=3, repeats=3, storage=storage)
+    result = autotune(model, config, eval_fn)
+    assert {"encoder.0", "encoder.2"} <= set(result.study.user_attrs["autotune.module_latency_ms"])
+    assert result.study.user_attrs["autotune.engines_dropped"] == {
+        "compiled": "eval_fn calls its submodules apart from its forward (encoder), which this engine's model does "
+                    "not have"}

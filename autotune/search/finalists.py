@@ -217,9 +217,11 @@ def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> s
     if _past(deadline):
         log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine.name)
         return "the run's timeout passed before its finalists were built"
-    callers = studies.get_attr(runner.study, OWN_CALLERS_ATTR)
-    if callers and not engine.keeps_model:
+    callers, entries = studies.get_attr(runner.study, OWN_CALLERS_ATTR), entry_paths(runner.batches)
+    if (callers or entries) and not engine.keeps_model:
         reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's "
+                  "model does not have" if callers else
+                  f"eval_fn calls its submodules apart from its forward ({', '.join(entries)}), which this engine's "
                   "model does not have")
         log.warning("the %s engine is not used: %s", engine.name, reason)
         return reason
