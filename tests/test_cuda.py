@@ -161,3 +161,28 @@ def test_tuning_on_cuda_tries_every_gpu_knob_in_the_engines_it_has_an_effect_in(
     eager_finalists = any("(" not in name for name in setup)
     assert knobs["eager"] == ({"autocast", "tf32"} if eager_finalists else set())   # eager compiles nothing
     assert config.passes(result.baseline.accuracy, score(result.model)) and result.speedup >= 1.0
+
+
+def test_a_model_scored_by_generate_runs_in_the_low_precision_engine_on_cuda_cache_and_encoder_in_fp16(storage):
+    """What a GPU user runs as `model.half()` then `generate`: the recorded KV cache held the fp32 model's keys and
+    the encoder got fp32 inputs, so the lowp engine failed on every model scored by generate."""
+    from test_stateful_inputs import PROMPT, TinyTranslator
+
+    torch.manual_seed(0)
+    model, prompt = TinyTranslator().eval(), PROMPT.cuda()
+    # A weight-bound layer in the encoder: fp16 halves the bytes read, so no launch-bound timing rules fp16 out.
+    model.encoder = nn.Sequential(nn.Linear(8, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 32))
+    with torch.no_grad():
+        reference = copy.deepcopy(model).cuda().generate(prompt)
+
+    def score(net):
+        with torch.no_grad():
+            return 1 - ((net.generate(prompt) - reference).norm() / reference.norm()).item()
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["fp16", "fp32"]), tolerable_loss=0.05,
+                          max_trials=3, device="cuda", storage=storage, engines=["eager", "lowp"])
+    result = autotune(model, config, score)
+    attrs = result.study.user_attrs
+    assert "lowp" not in attrs.get("autotune.engines_dropped", {}), attrs.get("autotune.engines_dropped")
+    assert any("(lowp)" in name for name in attrs["autotune.finalist_setup_s"]), attrs["autotune.finalist_setup_s"]
+    assert {"encoder.0", "encoder.2", "encoder.4"} <= set(attrs["autotune.module_latency_ms"])
