@@ -2,6 +2,7 @@
 CPU wheel this project pins has no CUDA)."""
 import copy
 
+import pytest
 import torch
 from conftest import RecordedEval, assert_one_call_per_trial, assert_state_equal, needs_cuda, state_snapshot
 from torch import nn
@@ -163,26 +164,25 @@ def test_tuning_on_cuda_tries_every_gpu_knob_in_the_engines_it_has_an_effect_in(
     assert config.passes(result.baseline.accuracy, score(result.model)) and result.speedup >= 1.0
 
 
-def test_a_model_scored_by_generate_runs_in_the_low_precision_engine_on_cuda_cache_and_encoder_in_fp16(storage):
+@pytest.mark.parametrize("model_class", ["TinyDecoder", "TinyTranslator"])
+def test_the_low_precision_engine_replays_a_generations_calls_compiled_on_cuda_cache_and_encoder_in_fp16(model_class):
     """What a GPU user runs as `model.half()` then `generate`: the recorded KV cache held the fp32 model's keys and
-    the encoder got fp32 inputs, so the lowp engine failed on every model scored by generate."""
-    from test_stateful_inputs import PROMPT, TinyTranslator
+    the encoder generate calls apart got fp32 inputs, so the lowp engine failed on every model scored by generate."""
+    import test_stateful_inputs as generation
+
+    from autotune.capture import call, run_capturing
+    from autotune.engines import CALLS_ITSELF, ENTRIES, Calibration, LowPrecisionEngine
+    from autotune.model_call import entry_paths
 
     torch.manual_seed(0)
-    model, prompt = TinyTranslator().eval(), PROMPT.cuda()
-    # A weight-bound layer in the encoder: fp16 halves the bytes read, so no launch-bound timing rules fp16 out.
-    model.encoder = nn.Sequential(nn.Linear(8, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 32))
+    model, prompt = getattr(generation, model_class)().eval().cuda(), generation.PROMPT.cuda()
     with torch.no_grad():
-        reference = copy.deepcopy(model).cuda().generate(prompt)
-
-    def score(net):
-        with torch.no_grad():
-            return 1 - ((net.generate(prompt) - reference).norm() / reference.norm()).item()
-
-    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["fp16", "fp32"]), tolerable_loss=0.05,
-                          max_trials=3, device="cuda", storage=storage, engines=["eager", "lowp"])
-    result = autotune(model, config, score)
-    attrs = result.study.user_attrs
-    assert "lowp" not in attrs.get("autotune.engines_dropped", {}), attrs.get("autotune.engines_dropped")
-    assert any("(lowp)" in name for name in attrs["autotune.finalist_setup_s"]), attrs["autotune.finalist_setup_s"]
-    assert {"encoder.0", "encoder.2", "encoder.4"} <= set(attrs["autotune.module_latency_ms"])
+        _, recorded = run_capturing(model, lambda m: m.generate(prompt), stop_early=False)
+        names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        built = LowPrecisionEngine().build(model, dict.fromkeys(names, "fp16"), Calibration(recorded, {}))
+        setattr(built, CALLS_ITSELF, True)
+        setattr(built, ENTRIES, entry_paths(recorded))
+        runnable = LowPrecisionEngine().runnable(built)
+        for recorded_call in recorded[:2]:
+            out, reference = call(runnable, recorded_call), call(model, recorded_call)
+            assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
