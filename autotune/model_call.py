@@ -1,4 +1,4 @@
-"""A recorded call of the model together with the submodule calls its own method made just before it.
+"""A recorded call of the model together with the submodule calls made apart from its forward just before it.
 
 transformers' `generate` on an encoder-decoder runs the encoder (`self.get_encoder()(...)`) and then calls the
 model with the encoder's output as an input: recorded alone, that call would hand the decoder the fp32 encoder's

@@ -37,9 +37,10 @@ from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
+from autotune.model_call import entry_paths
 from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
-from autotune.search.scores import TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
+from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
 from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials
 from autotune.search.winner import verified_winner
@@ -252,6 +253,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, None, device)
     calibration = record_module_inputs(fp32, list(candidates), batches[0])
+    studies.set_attr(study, ENTRY_CALLS_ATTR, list(entry_paths(batches)))
     candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
     timed_calls = None if given else studies.get_attr(study, TIMED_CALLS_ATTR)
     shapes = latency_shapes(config, batches, device, fp32,

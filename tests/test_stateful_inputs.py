@@ -407,3 +407,5 @@ def test_a_model_whose_encoder_eval_fn_calls_apart_is_tuned_whole_and_the_export
     assert result.study.user_attrs["autotune.engines_dropped"] == {
         "compiled": "eval_fn calls its submodules apart from its forward (encoder), which this engine's model does "
                     "not have"}
+    exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
+    assert json.loads(exported.output)["compile_in_place"] is True   # eval_fn calls its encoder on what it is given

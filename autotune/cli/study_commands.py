@@ -37,7 +37,7 @@ from autotune.errors import PlanError
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import formatted, table
-from autotune.search.scores import OWN_CALLERS_ATTR, TIMED_CALLS_ATTR
+from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, shown
@@ -218,7 +218,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
-    if studies.get_attr(study, OWN_CALLERS_ATTR):    # eval_fn ran it through generate: compiled in place
+    if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
     if timed_calls := studies.get_attr(study, TIMED_CALLS_ATTR):   # for `bench`, which times what tuning timed
         data["latency_inputs"] = timed_calls

@@ -32,7 +32,7 @@ from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
-from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR
+from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -343,7 +343,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
         raise
     except Exception as exc:   # the libraries an engine builds with raise many kinds
         raise EngineUnavailable(f"{engine.name}: building the plan failed: {describe(exc)}") from exc
-    if studies.get_attr(runner.study, OWN_CALLERS_ATTR):
+    if compiled_in_place(runner.study):
         setattr(built, CALLS_ITSELF, True)   # so eval_fn's calls through its methods run compiled (CALLS_ITSELF)
         setattr(built, ENTRIES, entry_paths(runner.batches))   # and the encoder generate calls apart
     runnable = engine.runnable(built)

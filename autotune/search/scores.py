@@ -75,9 +75,18 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
 # a compiled wrapper handed to eval_fn runs none of its compiled code there (autotune.search.finalists).
 OWN_CALLERS_ATTR = "model_called_by_its_methods"
 GRAD_MODE_ATTR = "eval_grad_mode"   # the autograd mode of eval_fn's calls of the model (capture.grad_mode)
+# The submodules called apart from the forward before a call of the model (generate's, or eval_fn's own decoding
+# loop's encoder, model_call.entry_paths): eval_fn calls them on the model it is given, so they are compiled in place.
+ENTRY_CALLS_ATTR = "entry_calls"
 # The latency_inputs the study times at where the config names none: the recorded calls standing for a generation's
 # first call and its steps, weighted by their share of eval_fn's time (_choose_timed_calls).
 TIMED_CALLS_ATTR = "timed_calls"
+
+
+def compiled_in_place(study: optuna.Study) -> bool:
+    """Whether eval_fn reaches the model otherwise than by calling it (its own methods, or its submodules called
+    apart), so that a compiling engine compiles it in place (engines.CALLS_ITSELF) rather than wrap it."""
+    return bool(studies.get_attr(study, OWN_CALLERS_ATTR) or studies.get_attr(study, ENTRY_CALLS_ATTR))
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
