@@ -125,6 +125,9 @@ def test_a_shape_the_model_cannot_run_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"latency_inputs.1: the fp32 model fails on the inputs of shape "
                                           r"'batch 32': RuntimeError: .*give a factory for this shape"):
         latency_shapes(config, [bag_inputs()], torch.device("cpu"), Bags())
+    config = TuningConfig(latency_inputs=[{"call": 1, "batch": 32}])    # the batch named is that call's
+    with pytest.raises(ConfigError, match=r"first dimension is the captured batch \(3\), so give a factory"):
+        latency_shapes(config, [bag_inputs(), bag_inputs(rows=3)], torch.device("cpu"), Bags())
 
 
 def batch_of_ones(rows: int = 2):

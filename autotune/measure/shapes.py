@@ -94,7 +94,8 @@ def latency_shapes(config: TuningConfig, recorded: list[CallInputs], device: tor
             raise ConfigError(
                 f"latency_inputs.{index}: the fp32 model fails on the inputs of shape {shape.name!r}: {reason}"
                 + ("; a batch is resized by cutting or repeating every input tensor whose first dimension is the "
-                   f"captured batch ({batch_size(recorded[0])}), so give a factory for this shape" if resized else ""),
+                   f"captured batch ({batch_size(recorded[entries[index].call or 0])}), so give a factory for this "
+                   "shape" if resized else ""),
                 [(f"latency_inputs.{index}", "the model fails on these inputs")])
     return shapes
 
