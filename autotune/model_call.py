@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from autotune.tree import map_tensors, tensors
@@ -20,15 +21,19 @@ from autotune.tree import map_tensors, tensors
 Entry = tuple[str, tuple[tuple[Any, ...], dict[str, Any]]]   # (submodule path, (args, kwargs))
 
 
+Link = tuple[int, int, int]    # (entry, position of the tensor in tree.tensors(its output), times each row repeats)
+
+
 class ModelCall(tuple):
     """(args, kwargs) of one call of the model, with `entries`: the (path, inputs) of the submodule calls made
-    before it, in order, and `links`: {position of a tensor in tree.tensors((args, kwargs)): (entry, position of
-    the tensor in tree.tensors(that entry's output))}, the inputs that were those entries' outputs."""
+    before it, in order, and `links`: {position of a tensor in tree.tensors((args, kwargs)): Link}, the inputs that
+    were those entries' outputs, or those outputs with each row repeated (generate's beam search expands the
+    encoder's output to one row per beam)."""
     entries: tuple[Entry, ...]
-    links: dict[int, tuple[int, int]]
+    links: dict[int, Link]
 
     def __new__(cls, pair: tuple, entries: tuple[Entry, ...] | list[Entry] = (),
-                links: dict[int, tuple[int, int]] | None = None):
+                links: dict[int, Link] | None = None):
         made = super().__new__(cls, pair)
         made.entries, made.links = tuple(entries), dict(links or {})
         return made
@@ -49,11 +54,25 @@ def entry_paths(batches: list[Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(path for batch in batches for path, _ in entries_of(batch)))
 
 
-def linked(live: tuple, outputs: list[list[Any]]) -> dict[int, tuple[int, int]]:
+def linked(live: tuple, outputs: list[list[torch.Tensor]]) -> dict[int, Link]:
     """ModelCall.links for a call on `live` (args, kwargs) after entries that returned `outputs` (each as
-    tree.tensors): the inputs that are one of those very tensors."""
-    where = {id(t): (entry, index) for entry, found in enumerate(outputs) for index, t in enumerate(found)}
-    return {position: where[id(t)] for position, t in enumerate(tensors(live)) if id(t) in where}
+    tree.tensors): the inputs that are one of those very tensors, or one of them with its rows repeated."""
+    links = {}
+    for position, t in enumerate(tensors(live)):
+        for entry, found in enumerate(outputs):
+            for index, out in enumerate(found):
+                if t is out or _rows_repeated(t, out):
+                    links.setdefault(position, (entry, index, t.shape[0] // out.shape[0]))
+    return links
+
+
+def _rows_repeated(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `t` is `out` with each row repeated k > 1 times (`Tensor.repeat_interleave(k, 0)`)."""
+    if t.dim() == 0 or t.dim() != out.dim() or t.shape[1:] != out.shape[1:] or t.dtype != out.dtype:
+        return False
+    if out.shape[0] == 0 or t.shape[0] <= out.shape[0] or t.shape[0] % out.shape[0]:
+        return False
+    return torch.equal(t, out.repeat_interleave(t.shape[0] // out.shape[0], 0))
 
 
 def after_entries(model: nn.Module, inputs: ModelCall) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -66,5 +85,8 @@ def after_entries(model: nn.Module, inputs: ModelCall) -> tuple[tuple[Any, ...],
 
     def fed(t):
         link = inputs.links.get(next(position))
-        return t if link is None else outputs[link[0]][link[1]]
+        if link is None:
+            return t
+        entry, index, repeats = link
+        return outputs[entry][index] if repeats == 1 else outputs[entry][index].repeat_interleave(repeats, 0)
     return map_tensors((inputs[0], inputs[1]), fed)

@@ -317,6 +317,32 @@ def test_the_encoder_a_generation_runs_first_is_recorded_with_its_first_call_and
         assert torch.equal(changed, model(*first[0], **{**fresh(first)[1], "memory": model.encoder(PROMPT)}))
 
 
+class BeamTranslator(TinyTranslator):
+    """Searches two beams as transformers' beam search does: the encoder's output expanded to a row per beam."""
+
+    def generate(self, prompt, steps=4):
+        memory, cache = self.encoder(prompt).repeat_interleave(2, 0), KVCache()
+        x, out = prompt[:, :2].repeat_interleave(2, 0), []
+        for _ in range(steps):
+            out.append(self(x, memory=memory, cache=cache))
+            x = out[-1].unsqueeze(1)
+        return torch.stack(out, 1)
+
+
+def test_an_encoder_output_expanded_to_a_row_per_beam_is_fed_in_expanded_again():
+    """Beam search passes the model its encoder's output with each row repeated, a tensor of its own: the replay
+    fed the recorded fp32 copy in, so lowering an encoder module never showed in the model's output."""
+    torch.manual_seed(0)
+    model = BeamTranslator().eval()
+    with torch.no_grad():
+        _, recorded = run_capturing(model, lambda m: m.generate(PROMPT), stop_early=False)
+        first = recorded[0]
+        assert list(first.links.values()) == [(0, 0, 2)]
+        model.encoder[0].weight.data.mul_(1.5)
+        memory = model.encoder(PROMPT).repeat_interleave(2, 0)
+        assert torch.equal(call(model, first), model(*first[0], **{**fresh(first)[1], "memory": memory}))
+
+
 def decode_by_hand(model, steps=3):
     """eval_fn's own greedy loop: the encoder once, then the model at every step."""
     memory, cache, x, out = model.encoder(PROMPT), KVCache(), PROMPT[:, :2], []
