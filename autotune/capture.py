@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import enum
 import functools
 import inspect
 from collections.abc import Callable
@@ -18,82 +16,16 @@ from autotune.backends.base import CallInputs
 from autotune.config.tuning import LatencyInput
 from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
-from autotune.model_call import ModelCall, after_entries, entries_of, linked
+from autotune.model_call import ModelCall, call, linked, snapshot
 from autotune.tree import map_tensors, tensors
-
-# What a forward cannot change in place; any other object it is called with may be state that it does change.
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-              torch.memory_format, enum.Enum, type)
-
-
-def _is_state(leaf: Any) -> bool:
-    return not isinstance(leaf, _IMMUTABLE) and not callable(leaf)
-
-
-def _snapshot(leaf: Any) -> Any:
-    """A copy of an object a forward may change in place (transformers' KV cache, which `generate` passes and the
-    model appends to on every call), or the object itself where it cannot be copied."""
-    try:
-        return copy.deepcopy(leaf) if _is_state(leaf) else leaf
-    except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
-        return leaf
 
 
 def detach_clone(value: Any) -> Any:
     """Copies of the tensors in `value`, as normal tensors even when recorded inside the user's
     `torch.inference_mode()` (an inference tensor cannot go through torch.export or autograd later), and of the
-    state objects in it as they were at the call (`_snapshot`)."""
+    state objects in it as they were at the call (`model_call.snapshot`)."""
     with torch.inference_mode(False):
-        return map_tensors(value, lambda t: t.detach().clone(), _snapshot)
-
-
-def holds_state(inputs: CallInputs) -> bool:
-    """Whether recorded inputs hold an object a call may change (a KV cache): each call then gets its own copy
-    (`fresh`), so every call computes what the recorded one did, not on what earlier calls left."""
-    found: list[Any] = []
-    map_tensors(inputs, lambda t: t, lambda leaf: found.append(leaf) if _is_state(leaf) else None)
-    return bool(found)
-
-
-# A mark on a model that keeps its state in another dtype than the fp32 model that recorded it (the lowp engine's, in
-# bf16: generate's KV cache holds what its own calls computed): `call` gives it the recorded state in that dtype.
-STATE_DTYPE = "autotune_state_dtype"
-
-
-def fresh(inputs: CallInputs, state_dtype: torch.dtype | None = None) -> CallInputs:
-    """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`), their fp32
-    tensors and dtype attributes converted to `state_dtype` where given."""
-    if not holds_state(inputs):
-        return inputs
-    return map_tensors(inputs, lambda t: t, lambda leaf: _converted_copy(leaf, state_dtype))
-
-
-def _converted_copy(leaf: Any, dtype: torch.dtype | None) -> Any:
-    copied = _snapshot(leaf)
-    return copied if copied is leaf else _in_dtype(copied, dtype, set())   # never the recorded object itself
-
-
-def _in_dtype(value: Any, dtype: torch.dtype | None, seen: set[int]) -> Any:
-    """`value` with the fp32 tensors and float32 dtype attributes in it, at any depth of objects, lists and dicts,
-    converted to `dtype` in place (on a copy: `fresh`); `value` itself, converted, for a tensor or a dtype."""
-    if dtype is None or id(value) in seen:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype == torch.float32 else value
-    if isinstance(value, torch.dtype):
-        return dtype if value == torch.float32 else value
-    seen.add(id(value))
-    items = (enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict)
-             else vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module))
-             else ())
-    for key, item in list(items):
-        converted = _in_dtype(item, dtype, seen)
-        if converted is not item:
-            if isinstance(value, (list, dict)):
-                value[key] = converted
-            else:
-                setattr(value, key, converted)
-    return value
+        return map_tensors(value, lambda t: t.detach().clone(), snapshot)
 
 
 class _Captured(BaseException):
@@ -355,12 +287,6 @@ def failure_of(model: nn.Module, inputs: CallInputs) -> str | None:
     except Exception as exc:  # the user's model: any failure is the answer
         return describe(exc, 200)
     return None
-
-
-def call(model: nn.Module, inputs: CallInputs) -> Any:
-    inputs = fresh(inputs, getattr(model, STATE_DTYPE, None))
-    args, kwargs = after_entries(model, inputs) if entries_of(inputs) else inputs
-    return model(*args, **kwargs)
 
 
 def to_device(inputs: Any, device: torch.device) -> Any:

@@ -1,14 +1,20 @@
-"""A recorded call of the model together with the submodule calls made apart from its forward just before it.
+"""A recorded call of the model, and making it again: every replay computes what the recorded call did.
 
-transformers' `generate` on an encoder-decoder runs the encoder (`self.get_encoder()(...)`) and then calls the
-model with the encoder's output as an input: recorded alone, that call would hand the decoder the fp32 encoder's
-output, and the encoder would be neither timed, calibrated nor measured for sensitivity. A `ModelCall` makes the
-entries again, in order, and feeds their outputs in where the recorded call had them, so whatever runs a recorded
-call (`capture.call`) runs and times the encoder as generate does, and lowering an encoder module shows in the
-model's output.
+State: an object a forward changes in place (transformers' KV cache, which `generate` passes and the model appends
+to) is copied for each replay (`fresh`), so no call runs on what earlier ones left, and converted to the dtype a
+model keeps its state in (`STATE_DTYPE`, the lowp engine's).
+
+Entries: transformers' `generate` on an encoder-decoder runs the encoder (`self.get_encoder()(...)`) and then calls
+the model with the encoder's output as an input. Recorded alone, that call would hand the decoder the fp32
+encoder's output, and the encoder would be neither timed, calibrated nor measured for sensitivity. A `ModelCall`
+keeps the submodule calls made apart from the forward just before it and makes them again, in order, feeding their
+outputs in where the recorded call had them, so whatever runs a recorded call (`call`) runs and times the encoder as
+generate does, and lowering an encoder module shows in the model's output.
 """
 from __future__ import annotations
 
+import copy
+import enum
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autotune.backends.base import CallInputs
 from autotune.tree import map_tensors, tensors
 
 Entry = tuple[str, tuple[tuple[Any, ...], dict[str, Any]]]   # (submodule path, (args, kwargs))
@@ -90,3 +97,76 @@ def after_entries(model: nn.Module, inputs: ModelCall) -> tuple[tuple[Any, ...],
         entry, index, repeats = link
         return outputs[entry][index] if repeats == 1 else outputs[entry][index].repeat_interleave(repeats, 0)
     return map_tensors((inputs[0], inputs[1]), fed)
+
+
+# What a forward cannot change in place; any other object it is called with may be state that it does change.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+              torch.memory_format, enum.Enum, type)
+
+
+def _is_state(leaf: Any) -> bool:
+    return not isinstance(leaf, _IMMUTABLE) and not callable(leaf)
+
+
+def snapshot(leaf: Any) -> Any:
+    """A copy of an object a forward may change in place (transformers' KV cache, which `generate` passes and the
+    model appends to on every call), or the object itself where it cannot be copied."""
+    try:
+        return copy.deepcopy(leaf) if _is_state(leaf) else leaf
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+        return leaf
+
+
+def holds_state(inputs: CallInputs) -> bool:
+    """Whether recorded inputs hold an object a call may change (a KV cache): each call then gets its own copy
+    (`fresh`), so every call computes what the recorded one did, not on what earlier calls left."""
+    found: list[Any] = []
+    map_tensors(inputs, lambda t: t, lambda leaf: found.append(leaf) if _is_state(leaf) else None)
+    return bool(found)
+
+
+# A mark on a model that keeps its state in another dtype than the fp32 model that recorded it (the lowp engine's, in
+# bf16: generate's KV cache holds what its own calls computed): `call` gives it the recorded state in that dtype.
+STATE_DTYPE = "autotune_state_dtype"
+
+
+def fresh(inputs: CallInputs, state_dtype: torch.dtype | None = None) -> CallInputs:
+    """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`), their fp32
+    tensors and dtype attributes converted to `state_dtype` where given."""
+    if not holds_state(inputs):
+        return inputs
+    return map_tensors(inputs, lambda t: t, lambda leaf: _converted_copy(leaf, state_dtype))
+
+
+def _converted_copy(leaf: Any, dtype: torch.dtype | None) -> Any:
+    copied = snapshot(leaf)
+    return copied if copied is leaf else _in_dtype(copied, dtype, set())   # never the recorded object itself
+
+
+def _in_dtype(value: Any, dtype: torch.dtype | None, seen: set[int]) -> Any:
+    """`value` with the fp32 tensors and float32 dtype attributes in it, at any depth of objects, lists and dicts,
+    converted to `dtype` in place (on a copy: `fresh`); `value` itself, converted, for a tensor or a dtype."""
+    if dtype is None or id(value) in seen:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == torch.float32 else value
+    if isinstance(value, torch.dtype):
+        return dtype if value == torch.float32 else value
+    seen.add(id(value))
+    items = (enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict)
+             else vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module))
+             else ())
+    for key, item in list(items):
+        converted = _in_dtype(item, dtype, seen)
+        if converted is not item:
+            if isinstance(value, (list, dict)):
+                value[key] = converted
+            else:
+                setattr(value, key, converted)
+    return value
+
+
+def call(model: nn.Module, inputs: CallInputs) -> Any:
+    inputs = fresh(inputs, getattr(model, STATE_DTYPE, None))
+    args, kwargs = after_entries(model, inputs) if entries_of(inputs) else inputs
+    return model(*args, **kwargs)

@@ -10,8 +10,8 @@ from harness import TOLERANCE
 from torch import nn
 
 from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune
-from autotune.capture import call
 from autotune.measure.shapes import batch_size
+from autotune.model_call import call
 from autotune.plan import summarize
 
 ALL_ENGINES = ["eager", "compiled", "inductor", "lowp"]

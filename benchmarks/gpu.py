@@ -44,12 +44,13 @@ from candidates import Candidate, relative_loss, tuned, warmed  # noqa: E402
 from harness import TOLERANCE, real_workload  # noqa: E402
 
 from autotune import MixedPrecisionConfig, TuningConfig  # noqa: E402
-from autotune.capture import as_call_inputs, call, to_device  # noqa: E402
+from autotune.capture import as_call_inputs, to_device  # noqa: E402
 from autotune.clone import clone  # noqa: E402
 from autotune.discovery import search_candidates  # noqa: E402
 from autotune.engines import KNOBS, Calibration, LowPrecisionEngine, compile_model  # noqa: E402
 from autotune.measure.latency import device_name, measure_latency  # noqa: E402
 from autotune.measure.shapes import resize_batch  # noqa: E402
+from autotune.model_call import call  # noqa: E402
 from autotune.tree import map_tensors  # noqa: E402
 
 BATCHES = {"mnist": (250, 5000), "minilm": (32, 256)}

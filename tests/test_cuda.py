@@ -170,9 +170,9 @@ def test_the_low_precision_engine_replays_a_generations_calls_compiled_on_cuda_c
     the encoder generate calls apart got fp32 inputs, so the lowp engine failed on every model scored by generate."""
     import test_stateful_inputs as generation
 
-    from autotune.capture import call, run_capturing
+    from autotune.capture import run_capturing
     from autotune.engines import CALLS_ITSELF, ENTRIES, Calibration, LowPrecisionEngine
-    from autotune.model_call import entry_paths
+    from autotune.model_call import call, entry_paths
 
     torch.manual_seed(0)
     model, prompt = getattr(generation, model_class)().eval().cuda(), generation.PROMPT.cuda()

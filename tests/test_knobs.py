@@ -298,7 +298,7 @@ def test_autocast_under_torch_compile_runs_in_bf16_and_turns_off_after():
 
 def runs_under_autocast(model: nn.Module, inputs) -> bool:
     """Whether autocast is on inside `model` (read by a pre-hook on its first child) when it runs on `inputs`."""
-    from autotune.capture import call
+    from autotune.model_call import call
 
     seen = []
     handle = next(model.children()).register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.capture import call
 from autotune.measure import LatencyStats, module_latency
+from autotune.model_call import call
 from autotune.search import SearchSpace
 
 CANDIDATES = {"0": ["int8", "fp32"], "2": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}

@@ -11,11 +11,12 @@ from click.testing import CliRunner
 from torch import nn
 
 from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune
-from autotune.capture import HowCalled, call, fresh, holds_state, record_module_inputs, run_capturing, to_device
+from autotune.capture import HowCalled, record_module_inputs, run_capturing, to_device
 from autotune.cli import main
 from autotune.engines import CALLS_ITSELF, compile_model
 from autotune.measure.sensitivity import module_sensitivity
 from autotune.measure.shapes import resize_batch
+from autotune.model_call import call, fresh, holds_state
 
 MAX_POSITIONS = 16
 

@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import STATE_DTYPE
 from autotune.clone import clone
 from autotune.engines.base import Calibration, compile_runnable, how_to_compile
-from autotune.model_call import entry_paths
+from autotune.model_call import STATE_DTYPE, entry_paths
 from autotune.plan import Plan
 from autotune.tree import map_tensors
 

@@ -19,12 +19,12 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import explicit_padding, resolve_reduce_range
-from autotune.capture import call, fresh
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
+from autotune.model_call import call, fresh
 from autotune.plan import Plan
 from autotune.tree import map_tensors, tensors
 

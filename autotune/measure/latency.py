@@ -24,8 +24,7 @@ from torch import nn
 from torch.utils import benchmark
 
 from autotune.backends.base import CallInputs
-from autotune.capture import call, holds_state
-from autotune.model_call import entries_of
+from autotune.model_call import call, entries_of, holds_state
 
 MIN_ROUNDS = 3
 PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds

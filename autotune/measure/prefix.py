@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import call, call_hooked, detach_clone
+from autotune.capture import call_hooked, detach_clone
+from autotune.model_call import call
 from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")

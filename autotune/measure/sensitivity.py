@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import call
 from autotune.clone import clone
 from autotune.discovery import shared_dtypes, unit_name, units_of
 from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
+from autotune.model_call import call
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors
 

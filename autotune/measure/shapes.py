@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import as_call_inputs, failure_of, holds_state, to_device
+from autotune.capture import as_call_inputs, failure_of, to_device
 from autotune.config.file import call_factory
 from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.errors import ConfigError
 from autotune.measure.latency import measure_latency
+from autotune.model_call import holds_state
 from autotune.tree import map_tensors, tensors
 
 PerModule = dict[str, dict[str, float]]

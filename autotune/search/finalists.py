@@ -12,7 +12,7 @@ import torch
 from optuna.trial import FrozenTrial
 from torch import nn
 
-from autotune.capture import call, without_autograd
+from autotune.capture import without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
     ENTRIES,
@@ -30,7 +30,7 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
-from autotune.model_call import entry_paths
+from autotune.model_call import call, entry_paths
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
