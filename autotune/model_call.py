@@ -68,7 +68,9 @@ def linked(live: tuple, outputs: list[list[torch.Tensor]]) -> dict[int, Link]:
     for position, t in enumerate(tensors(live)):
         for entry, found in enumerate(outputs):
             for index, out in enumerate(found):
-                if t is out or _rows_repeated(t, out):
+                if t is out:
+                    links.setdefault(position, (entry, index, 1))
+                elif _rows_repeated(t, out):
                     links.setdefault(position, (entry, index, t.shape[0] // out.shape[0]))
     return links
 

@@ -436,3 +436,12 @@ def test_a_model_whose_encoder_eval_fn_calls_apart_is_tuned_whole_and_the_export
                     "not have"}
     exported = CliRunner().invoke(main, ["export", result.study.study_name, "--storage", storage])
     assert json.loads(exported.output)["compile_in_place"] is True   # eval_fn calls its encoder on what it is given
+
+
+def test_a_scalar_or_empty_entry_output_handed_on_as_it_is_is_linked_once_without_rows():
+    """Linking divided the input's rows by the output's: a 0-d tensor has none (IndexError), an empty one zero."""
+    from autotune.model_call import linked
+
+    scalar, empty, rows = torch.tensor(2.0), torch.zeros(0, 3), torch.arange(4.0).reshape(2, 2)
+    live = ((scalar, empty), {"memory": rows.repeat_interleave(3, 0)})
+    assert linked(live, [[scalar, empty, rows]]) == {0: (0, 0, 1), 1: (0, 1, 1), 2: (0, 2, 3)}
