@@ -26,8 +26,6 @@ from autotune.backends.base import CallInputs
 from autotune.tree import map_tensors, tensors
 
 Entry = tuple[str, tuple[tuple[Any, ...], dict[str, Any]]]   # (submodule path, (args, kwargs))
-
-
 Link = tuple[int, int, int]    # (entry, position of the tensor in tree.tensors(its output), times each row repeats)
 
 

@@ -13,7 +13,7 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[
     """`value` with each tensor in it replaced by `fn(tensor)`, and each other leaf by `other(leaf)` if given."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "remapped"):   # capture.ModelCall: it walks its own parts
+    if isinstance(value, tuple) and hasattr(value, "remapped"):   # model_call.ModelCall: it walks its own parts
         return value.remapped(lambda part: map_tensors(part, fn, other))
     if isinstance(value, tuple) and hasattr(value, "_make"):   # a namedtuple, e.g. an RNN's PackedSequence
         return value._make(map_tensors(item, fn, other) for item in value)
