@@ -3,6 +3,7 @@
     make bench-gpu                                   # on a GPU machine, with its own torch (see the Makefile)
     python3 benchmarks/gpu.py [--workloads mnist,minilm] [--device cuda] [--quick] [--max-trials N] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --device cpu --quick --workloads mnist    # the table's structure on a CPU
+    MINILM_PACKED=DIR ...            # MiniLM from a folder benchmarks/minilm_pack.py wrote (a GPU machine lacks it)
 
 For each workload (benchmarks/harness.py's real workloads) at each batch (MNIST CNN 250 and 5000, MiniLM sentiment
 32 and 256), every candidate is built, scored once with the workload's eval_fn (its CPU batches moved to the

