@@ -303,3 +303,32 @@ def test_a_saved_int8_convolution_computes_what_was_measured_whichever_engine_th
                 assert torch.equal(restored(x), lowered(x)), engine
     finally:
         torch.backends.quantized.engine = before
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+@pytest.mark.parametrize("make,shape", [(lambda: nn.Linear(16, 8), (4, 16)),
+                                        (lambda: nn.Conv2d(3, 8, 3, padding=1), (2, 3, 8, 8))])
+def test_a_users_forward_hooks_run_once_on_the_module_built_in_place_of_theirs(dtype, make, shape):
+    torch.manual_seed(0)
+    module, x = make().eval(), torch.randn(shape)
+    seen = []
+    module.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    module.register_forward_hook(lambda mod, args, kwargs, out: seen.append(out.shape) or out + 100.0,
+                                 with_kwargs=True)
+    with torch.inference_mode():
+        expected = module(x)
+        lowered = get_backend(dtype).apply(module, ((x,), {}))
+        seen.clear()
+        out = lowered(x)
+    assert seen == [expected.shape]         # once, where a wrapper around a copy of the module holds them too
+    assert relative_error(out, expected) < 2e-2
+
+
+def test_the_old_weight_norm_hook_is_folded_into_the_int8_weight_not_carried():
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):
+        module = nn.utils.weight_norm(nn.Linear(8, 16)).eval()
+    x = torch.randn(4, 8)
+    lowered = get_backend("int8").apply(module, None)
+    with torch.inference_mode():
+        assert relative_error(lowered(x), module(x)) < 5e-2

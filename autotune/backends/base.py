@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 # What a module was called with on real data: (args, kwargs). Techniques that calibrate read it.
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -38,11 +40,38 @@ class Technique:
             The lowered module, carrying this config in its `autotune_technique` attribute.
         """
         lowered = self.lower(module, calibration)
+        carry_forward_hooks(module, lowered)
         setattr(lowered, LOWERED_BY, self)
         return lowered
 
     def __deepcopy__(self, memo: dict) -> Technique:
         return self   # configs are frozen: copies of a lowered module share theirs
+
+
+def carry_forward_hooks(module: nn.Module, lowered: nn.Module) -> None:
+    """Registers the forward hooks and pre-hooks of `module` on `lowered`, which is called in its place: a user's
+    hook reading or changing what the module takes or returns (features collected for a head, an adapter, a clamp)
+    keeps working in the tuned model. Not where `lowered` holds them already (a wrapper around a copy of `module`),
+    nor torch's own weight_norm / spectral_norm hooks, which recompute a weight that `lowered` has folded in.
+
+    torch lists a module's hooks only in its attributes; where they are missing (another torch), nothing is carried.
+    """
+    def hooks(of: nn.Module, kind: str) -> dict:
+        return getattr(of, f"_forward{kind}_hooks", None) or {}
+
+    def flagged(kind: str, flag: str, key: int) -> bool:
+        return key in (getattr(module, f"_forward{kind}_hooks_{flag}", None) or {})
+
+    for kind in ("_pre", ""):
+        held = {key for inner in lowered.modules() for key in hooks(inner, kind)}
+        for key, hook in hooks(module, kind).items():
+            if key in held or isinstance(hook, (WeightNorm, SpectralNorm)):
+                continue
+            if kind:
+                lowered.register_forward_pre_hook(hook, with_kwargs=flagged(kind, "with_kwargs", key))
+            else:
+                lowered.register_forward_hook(hook, with_kwargs=flagged(kind, "with_kwargs", key),
+                                              always_call=flagged(kind, "always_called", key))
 
 
 def technique_of(module: nn.Module) -> Technique | None:
