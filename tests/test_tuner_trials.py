@@ -260,14 +260,18 @@ def test_a_model_handed_over_compiled_or_holding_compiled_blocks_is_tuned_as_the
     assert [name for name, _ in model.named_modules()] == names   # the user's model keeps its wrappers
 
 
-def test_the_users_forward_hooks_still_run_in_the_tuned_model_on_modules_it_lowered(storage):
+def test_the_users_forward_hooks_still_run_in_the_tuned_model_on_modules_it_lowered(storage, caplog):
     model = wide_model()
     collected = []
     model[1][0].register_forward_hook(lambda module, args, out: collected.append(out.shape))
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
-                          max_trials=4, storage=storage, engines=["eager"])
-    result = autotune(model, config, fidelity_eval(model))
+                          max_trials=4, storage=storage, engines=["eager", "compiled"])
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(model, config, fidelity_eval(model))
     assert result.plan["1.0"] == "int8" and isinstance(result.model[1][0], DynamicInt8Linear)
+    # An exported graph would run the hook's arithmetic but not its side effects: that engine is left out.
+    assert "the compiled engine is not used: forward hooks are registered on 1.0, which this engine's exported " \
+           "graph would not call" in caplog.text
     collected.clear()
     with torch.inference_mode():
         result.model(INPUTS)

@@ -48,30 +48,37 @@ class Technique:
         return self   # configs are frozen: copies of a lowered module share theirs
 
 
+def forward_hooks(module: nn.Module, kind: str) -> dict[int, Any]:
+    """The forward hooks (`kind` "") or pre-hooks ("_pre") on `module` by handle id, but torch's own weight_norm /
+    spectral_norm ones, which recompute a weight that lowered modules fold in. torch lists a module's hooks only in
+    its attributes; where they are missing (another torch), none are found."""
+    return {key: hook for key, hook in (getattr(module, f"_forward{kind}_hooks", None) or {}).items()
+            if not isinstance(hook, (WeightNorm, SpectralNorm))}
+
+
 def carry_forward_hooks(module: nn.Module, lowered: nn.Module) -> None:
     """Registers the forward hooks and pre-hooks of `module` on `lowered`, which is called in its place: a user's
     hook reading or changing what the module takes or returns (features collected for a head, an adapter, a clamp)
-    keeps working in the tuned model. Not where `lowered` holds them already (a wrapper around a copy of `module`),
-    nor torch's own weight_norm / spectral_norm hooks, which recompute a weight that `lowered` has folded in.
-
-    torch lists a module's hooks only in its attributes; where they are missing (another torch), nothing is carried.
-    """
-    def hooks(of: nn.Module, kind: str) -> dict:
-        return getattr(of, f"_forward{kind}_hooks", None) or {}
-
+    keeps working in the tuned model. Not where `lowered` holds them already (a wrapper around a copy of `module`)."""
     def flagged(kind: str, flag: str, key: int) -> bool:
         return key in (getattr(module, f"_forward{kind}_hooks_{flag}", None) or {})
 
     for kind in ("_pre", ""):
-        held = {key for inner in lowered.modules() for key in hooks(inner, kind)}
-        for key, hook in hooks(module, kind).items():
-            if key in held or isinstance(hook, (WeightNorm, SpectralNorm)):
+        held = {key for inner in lowered.modules() for key in forward_hooks(inner, kind)}
+        for key, hook in forward_hooks(module, kind).items():
+            if key in held:
                 continue
             if kind:
                 lowered.register_forward_pre_hook(hook, with_kwargs=flagged(kind, "with_kwargs", key))
             else:
                 lowered.register_forward_hook(hook, with_kwargs=flagged(kind, "with_kwargs", key),
                                               always_call=flagged(kind, "always_called", key))
+
+
+def hooked_modules(model: nn.Module) -> list[str]:
+    """The names of `model`'s modules (itself: "") that carry forward hooks or pre-hooks (forward_hooks)."""
+    return [name for name, module in model.named_modules()
+            if forward_hooks(module, "") or forward_hooks(module, "_pre")]
 
 
 def technique_of(module: nn.Module) -> Technique | None:

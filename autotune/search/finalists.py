@@ -12,6 +12,7 @@ import torch
 from optuna.trial import FrozenTrial
 from torch import nn
 
+from autotune.backends.base import hooked_modules
 from autotune.capture import without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
@@ -217,15 +218,19 @@ def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> s
     if _past(deadline):
         log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine.name)
         return "the run's timeout passed before its finalists were built"
+    if engine.keeps_model:
+        return None
     callers, entries = studies.get_attr(runner.study, OWN_CALLERS_ATTR), entry_paths(runner.batches)
-    if (callers or entries) and not engine.keeps_model:
-        reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's "
-                  "model does not have" if callers else
-                  f"eval_fn calls its submodules apart from its forward ({', '.join(entries)}), which this engine's "
-                  "model does not have")
+    hooked = [name or "the model" for name in hooked_modules(runner.fp32)]
+    reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's model "
+              "does not have" if callers else
+              f"eval_fn calls its submodules apart from its forward ({', '.join(entries)}), which this engine's "
+              "model does not have" if entries else
+              f"forward hooks are registered on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}, which "
+              "this engine's exported graph would not call" if hooked else None)
+    if reason:
         log.warning("the %s engine is not used: %s", engine.name, reason)
-        return reason
-    return None
+    return reason
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
