@@ -332,3 +332,17 @@ def test_the_old_weight_norm_hook_is_folded_into_the_int8_weight_not_carried():
     lowered = get_backend("int8").apply(module, None)
     with torch.inference_mode():
         assert relative_error(lowered(x), module(x)) < 5e-2
+
+
+def test_transformers_own_output_capturing_hooks_are_not_counted_as_a_users():
+    transformers = pytest.importorskip("transformers")
+    from autotune.backends.base import hooked_modules
+    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                          num_attention_heads=[1, 1], decoder_hidden_size=32, num_labels=3,
+                                          strides=[4, 2], patch_sizes=[7, 3], mlp_ratios=[2, 2])
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    with torch.inference_mode():
+        model(pixel_values=torch.randn(1, 3, 64, 64))     # installs them: its head reads the hidden states
+    assert hooked_modules(model) == []
+    model.decode_head.classifier.register_forward_hook(lambda module, args, out: None)
+    assert hooked_modules(model) == ["decode_head.classifier"]

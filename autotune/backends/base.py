@@ -76,9 +76,13 @@ def carry_forward_hooks(module: nn.Module, lowered: nn.Module) -> None:
 
 
 def hooked_modules(model: nn.Module) -> list[str]:
-    """The names of `model`'s modules (itself: "") that carry forward hooks or pre-hooks (forward_hooks)."""
+    """The names of `model`'s modules (itself: "") that carry forward hooks or pre-hooks (forward_hooks) other than
+    transformers' own, which it installs at a first call to collect hidden states into that call's outputs: what
+    they do stays within the forward."""
+    def users(hooks: dict[int, Any]) -> bool:
+        return any(not getattr(hook, "__module__", "").startswith("transformers.") for hook in hooks.values())
     return [name for name, module in model.named_modules()
-            if forward_hooks(module, "") or forward_hooks(module, "_pre")]
+            if users(forward_hooks(module, "")) or users(forward_hooks(module, "_pre"))]
 
 
 def technique_of(module: nn.Module) -> Technique | None:
