@@ -107,9 +107,9 @@ def real_workload(workload: str, quick: bool):
                 40, f"MNISTNet, {digits} digits")
     if workload == "minilm" and os.environ.get("MINILM_PACKED"):   # a folder minilm_pack.py wrote
         import minilm_pack
-        fp32, eval_fn, example = minilm_pack.load(os.environ["MINILM_PACKED"])
+        fp32, eval_fn, example, sentences = minilm_pack.load(os.environ["MINILM_PACKED"])
         return (fp32, eval_fn, example, ["int8", "bf16", "fp16", "fp32"],
-                int(os.environ.get("MINILM_MAX_TRIALS", "40")), "MiniLM-L6 sentiment, 1000 sentences (packed)")
+                int(os.environ.get("MINILM_MAX_TRIALS", "40")), f"MiniLM-L6 sentiment, {sentences} sentences (packed)")
     if workload == "minilm":
         from autotune.workloads import sentiment
         limit = 200 if quick else int(os.environ.get("MINILM_LIMIT", "1000"))

@@ -31,7 +31,7 @@ def pack(folder: Path, limit: int) -> None:
 
 
 def load(folder: str | Path):
-    """(fp32 classifier, eval_fn, example inputs) from a packed folder."""
+    """(fp32 classifier, eval_fn, example inputs, sentences scored) from a packed folder."""
     import transformers
     folder = Path(folder)
     encoder = transformers.AutoModel.from_pretrained(folder / "encoder", dtype=torch.float32).eval()
@@ -39,7 +39,9 @@ def load(folder: str | Path):
     data = torch.load(folder / "data.pt")
     head = nn.Linear(encoder.config.hidden_size, 2)
     head.load_state_dict(data["head"])
-    return SentimentClassifier(encoder, head).eval(), accuracy_eval(data["batches"]), data["batches"][0][0]
+    batches = data["batches"]
+    return (SentimentClassifier(encoder, head).eval(), accuracy_eval(batches), batches[0][0],
+            sum(len(labels) for _, labels in batches))
 
 
 if __name__ == "__main__":

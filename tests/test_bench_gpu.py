@@ -62,7 +62,8 @@ def test_the_packed_minilm_workload_loads_back_in_fp32_and_scores_as_the_package
 
     from autotune.workloads import sentiment
     minilm_pack.pack(tmp_path, limit=64)
-    model, eval_fn, example = minilm_pack.load(tmp_path)
+    model, eval_fn, example, sentences = minilm_pack.load(tmp_path)
+    assert sentences == 64
     weights = sum(f.stat().st_size for f in (tmp_path / "encoder").glob("*.safetensors"))
     assert weights < 50e6     # stored in fp16: what a 64 MiB carry to a GPU machine holds beside the wheels
     assert {p.dtype for p in model.parameters()} == {torch.float32}
