@@ -220,16 +220,18 @@ def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> s
         return "the run's timeout passed before its finalists were built"
     if engine.keeps_model:
         return None
-    callers, entries = studies.get_attr(runner.study, OWN_CALLERS_ATTR), entry_paths(runner.batches)
-    hooked = [name or "the model" for name in hooked_modules(runner.fp32)]
-    reason = (f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's model "
-              "does not have" if callers else
-              f"eval_fn calls its submodules apart from its forward ({', '.join(entries)}), which this engine's "
-              "model does not have" if entries else
-              f"forward hooks are registered on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}, which "
-              "this engine's exported graph would not call" if hooked else None)
-    if reason:
-        log.warning("the %s engine is not used: %s", engine.name, reason)
+    if callers := studies.get_attr(runner.study, OWN_CALLERS_ATTR):
+        reason = f"eval_fn runs the model through its own methods ({', '.join(callers)}), which this engine's model " \
+                 "does not have"
+    elif entries := entry_paths(runner.batches):
+        reason = f"eval_fn calls its submodules apart from its forward ({', '.join(entries)}), which this engine's " \
+                 "model does not have"
+    elif hooked := [name or "the model" for name in hooked_modules(runner.fp32)]:
+        reason = f"forward hooks are registered on {', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''}, " \
+                 "which this engine's exported graph would not call"
+    else:
+        return None
+    log.warning("the %s engine is not used: %s", engine.name, reason)
     return reason
 
 
