@@ -16,6 +16,7 @@ from torch import nn
 
 _EMPTY_CONTAINERS = (dict, OrderedDict, set)
 _IMMUTABLE = (bool, int, float, str, type(None))   # what deepcopy returns as is
+_SHARED_HOOKS = ("_forward_hooks", "_forward_pre_hooks")   # the copy runs the user's hook objects themselves
 
 
 def clone(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
@@ -41,10 +42,19 @@ def copy_module_state(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             state[key] = kind((name, None if child is None else clone(child, memo)) for name, child in value.items())
         elif kind in _EMPTY_CONTAINERS and not value:
             state[key] = kind()
+        elif key in _SHARED_HOOKS:
+            state[key] = kind((handle, _hook_copy(hook, memo)) for handle, hook in value.items())
         elif key != "_compiled_call_impl":   # dropped by Module.__getstate__ too
             state[key] = copy.deepcopy(value, memo)
     copied.__dict__.update(state)
     return copied
+
+
+def _hook_copy(hook: Any, memo: dict[int, Any]) -> Any:
+    """The hook a copy runs: a method of a module (a library's own hook) bound to that module's copy; any other
+    hook, the same object, so that a user's hook object collecting outputs gets the copy's calls too (deepcopy
+    would give the copy a collector of its own, which the user never sees)."""
+    return copy.deepcopy(hook, memo) if isinstance(getattr(hook, "__self__", None), nn.Module) else hook
 
 
 @functools.cache

@@ -51,3 +51,36 @@ def test_a_memo_entry_stands_in_for_its_module():
     stand_in = nn.Identity()
     twin = clone(model, memo={id(model[2]): stand_in})
     assert twin[2] is stand_in and isinstance(twin[0], nn.Linear) and twin[0] is not model[0]
+
+
+class SaveOutput:
+    """A forward hook object collecting what a module returns (the usual way to take features from a layer)."""
+
+    def __init__(self):
+        self.outputs = []
+
+    def __call__(self, module, args, out):
+        self.outputs.append(out)
+
+
+class CountsItsCalls(nn.Linear):
+    """A module registering a method of its own as its forward hook (a library's pattern)."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.calls = 0
+        self.register_forward_hook(self._count)
+
+    def _count(self, module, args, out):
+        self.calls += 1
+
+
+def test_a_copy_runs_the_users_hook_objects_themselves_and_its_own_methods_rebound():
+    model = nn.Sequential(nn.Linear(4, 4), CountsItsCalls())
+    save = SaveOutput()
+    model[0].register_forward_hook(save)
+    twin = clone(model)
+    with torch.inference_mode():
+        twin(torch.randn(2, 4))
+    assert len(save.outputs) == 1            # the user's collector, not a copy of it, got the copy's call
+    assert twin[1].calls == 1 and model[1].calls == 0    # the module's own hook counted on the copy

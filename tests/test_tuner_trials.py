@@ -261,9 +261,16 @@ def test_a_model_handed_over_compiled_or_holding_compiled_blocks_is_tuned_as_the
 
 
 def test_the_users_forward_hooks_still_run_in_the_tuned_model_on_modules_it_lowered(storage, caplog):
-    model = wide_model()
-    collected = []
-    model[1][0].register_forward_hook(lambda module, args, out: collected.append(out.shape))
+    class Collect:     # a hook object, as features are usually taken: the tuned model runs this one, not a copy
+        def __init__(self):
+            self.shapes = []
+
+        def __call__(self, module, args, out):
+            self.shapes.append(out.shape)
+
+    model, hook = wide_model(), Collect()
+    collected = hook.shapes
+    model[1][0].register_forward_hook(hook)
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           max_trials=4, storage=storage, engines=["eager", "compiled"])
     with caplog.at_level(logging.WARNING, logger="autotune"):
