@@ -66,17 +66,33 @@ def postgres(postgres_server, request):
     return postgres_server.replace("/postgres?", f"/{name}?", 1)
 
 
+def held_plan(model, names) -> dict[str, str]:
+    """The plan a model the tuner built holds: read from the techniques its modules carry, or, for a module none
+    built, from its weight's dtype (the low-precision engine casts modules in place). A finalist whose engine
+    compiles is evaluated as it runs, compiled: its plan is read from the module it compiles."""
+    import torch
+
+    from autotune.plan import plan_of
+    inner = getattr(model, "_orig_mod", model)
+    plan = plan_of(inner, names)
+    for name, dtype in plan.items():
+        weight = getattr(inner.get_submodule(name), "weight", None)
+        if dtype == "fp32" and isinstance(weight, torch.Tensor):
+            plan[name] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, "fp32")
+    return plan
+
+
 class RecordedEval:
     """Wraps an eval_fn and records, at every real call, the plan of the model it was given, read back from the
-    techniques its modules carry: a test counts evaluations itself instead of trusting the tuner's labels."""
+    techniques its modules carry (`held_plan`): a test counts evaluations itself instead of trusting the tuner's
+    labels."""
 
     def __init__(self, eval_fn, module_names):
         self.eval_fn, self.module_names = eval_fn, sorted(module_names)
         self.plans: list[dict[str, str]] = []
 
     def __call__(self, model):
-        from autotune.plan import plan_of
-        self.plans.append(plan_of(model, self.module_names))
+        self.plans.append(held_plan(model, self.module_names))
         return self.eval_fn(model)
 
     def keys(self, start: int = 0) -> list[str]:

@@ -4,11 +4,10 @@ import copy
 
 import pytest
 import torch
-from conftest import RecordedEval, assert_one_call_per_trial, assert_state_equal, needs_cuda, state_snapshot
+from conftest import RecordedEval, assert_one_call_per_trial, assert_state_equal, held_plan, needs_cuda, state_snapshot
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
-from autotune.plan import plan_of
 from autotune.storage.study import evaluated_trials, trial_plan
 
 pytestmark = needs_cuda()
@@ -43,7 +42,7 @@ def test_tuning_on_cuda_prunes_cpu_only_int8_meets_the_tolerance_and_leaves_the_
         assert latency[name][dtype] <= latency[name]["fp32"], (name, dtype, latency[name])
     # 4096 x 2048 x 2048 matmuls: half precision runs on the tensor cores, so a lowered plan wins.
     assert set(result.plan.values()) & {"bf16", "fp16"}, result.plan
-    assert plan_of(result.model, MODULES) == result.plan          # the returned model holds the plan
+    assert held_plan(result.model, MODULES) == result.plan        # the returned model holds the plan
     assert {p.device.type for p in result.model.parameters()} == {"cuda"}
     assert result.speedup > 1.0
 
