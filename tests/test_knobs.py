@@ -62,6 +62,51 @@ def test_fold_bn_is_not_tried_where_the_engine_folds_batchnorms_itself():
     assert "compiled" not in KNOBS["fold_bn"].engines and {"eager", "inductor", "lowp"} <= set(KNOBS["fold_bn"].engines)
 
 
+class Stem(nn.Module):
+    """A model with a method of its own beside forward, and a BatchNorm two layers read (it is not folded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.shared = conv_bn(), nn.BatchNorm1d(4).eval()
+
+    def forward(self, x):
+        return self.shared(self.body(x)) + self.shared(x.flatten(1)[:, :4])
+
+    def features(self, x):
+        return self.body(x)
+
+
+def test_fold_bn_keeps_the_model_s_class_methods_and_the_lowp_casts_through_save_and_load(tmp_path):
+    # torch.fx's fuse returned a GraphModule: the model's own methods were gone, and pickling one drops hooks set on
+    # it, so a lowp model built on it (its float inputs cast by a hook) failed on bf16 weights once saved and loaded.
+    from autotune.engines import Calibration, LowPrecisionEngine
+
+    model = Stem().eval()
+    folded = KNOBS["fold_bn"].apply(model)
+    assert type(folded) is Stem and isinstance(folded.body[1], nn.Identity)
+    assert isinstance(folded.shared, nn.BatchNorm1d)                       # two calls read it: not folded
+    with torch.no_grad():
+        assert torch.allclose(folded.features(X), model.features(X), atol=1e-5)
+    built = LowPrecisionEngine().build(folded, {"body.0": "bf16", "body.4": "bf16"}, Calibration([], {}))
+    torch.save(built, tmp_path / "lowp.pt")
+    loaded = torch.load(tmp_path / "lowp.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(X), built(X)) and loaded(X).dtype == torch.float32
+
+
+def test_fold_bn_leaves_a_hooked_layer_as_it_is():
+    model = conv_bn()
+    model[1].register_forward_hook(_negated)           # a user's hook on the BatchNorm sees its own output
+    folded = KNOBS["fold_bn"].apply(model)
+    assert isinstance(folded[1], nn.BatchNorm2d)
+    with torch.no_grad():
+        assert torch.allclose(folded(X), model(X), atol=1e-6)
+
+
+def _negated(module, args, output):
+    return -output
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()

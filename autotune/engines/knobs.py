@@ -16,6 +16,7 @@ from torch import nn
 
 from autotune.clone import clone
 from autotune.engines.base import COMPILE_MODE
+from autotune.engines.fold_bn import fold_batchnorms
 from autotune.engines.lowp import LOW
 from autotune.tree import map_tensors
 
@@ -77,9 +78,7 @@ class FoldBatchNorm:
         return None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        from torch.fx.experimental.optimization import fuse
-
-        return fuse(clone(model).eval())   # traces the model (torch.fx): a model it cannot trace raises
+        return fold_batchnorms(clone(model).eval())   # traces the model (torch.fx): a model it cannot trace raises
 
 
 def device_of(model: nn.Module) -> torch.device:
