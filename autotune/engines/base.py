@@ -83,6 +83,14 @@ def _give_own_forward(model: nn.Module) -> None:
     model.forward = types.MethodType(own, model)
 
 
+def hooks_on_it_unsaved(model: nn.Module) -> str | None:
+    """Why hooks set on `model` itself would be lost once it is saved, None where they are kept: torch.save pickles
+    a torch.fx GraphModule as its code and modules alone."""
+    if isinstance(model, torch.fx.GraphModule):
+        return "the model is a torch.fx GraphModule, and torch.save of one drops the hooks this sets on it"
+    return None
+
+
 def compile_runnable(built: nn.Module) -> nn.Module:
     """`built` under torch.compile, in the mode its knobs marked it with (default: torch.compile's own)."""
     return compile_model(built, getattr(built, COMPILE_MODE, None))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotune.clone import clone
-from autotune.engines.base import COMPILE_MODE
+from autotune.engines.base import COMPILE_MODE, hooks_on_it_unsaved
 from autotune.engines.fold_bn import fold_batchnorms
 from autotune.engines.lowp import LOW
 from autotune.tree import map_tensors
@@ -140,7 +140,7 @@ class Autocast:
         device = device_of(model)
         if not torch.amp.is_autocast_available(device.type):
             return f"torch.autocast does not run on {device.type}"
-        return None
+        return hooks_on_it_unsaved(model)
 
     def runs_in(self, model: nn.Module) -> str | None:
         return "fp16" if device_of(model).type == "cuda" else "bf16"
@@ -178,7 +178,7 @@ class TF32:
         if device.type != "cuda":
             return f"{needs}; this model is on {device}"
         major, minor = torch.cuda.get_device_capability(device)
-        return f"{needs}; {device} has {major}.{minor}" if (major, minor) < (8, 0) else None
+        return f"{needs}; {device} has {major}.{minor}" if (major, minor) < (8, 0) else hooks_on_it_unsaved(model)
 
     def runs_in(self, model: nn.Module) -> str | None:
         return None

@@ -14,7 +14,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
-from autotune.engines.base import Calibration, compile_runnable, how_to_compile
+from autotune.engines.base import Calibration, compile_runnable, hooks_on_it_unsaved, how_to_compile
 from autotune.model_call import STATE_DTYPE, entry_paths
 from autotune.plan import Plan
 from autotune.tree import map_tensors
@@ -54,7 +54,7 @@ class LowPrecisionEngine:
             return f"the low-precision engine realises {sorted(LOW)} and fp32 only, not {sorted(lowered - set(LOW))}"
         if len(lowered) > 1:
             return "the low-precision engine runs one low dtype per model"
-        return None
+        return hooks_on_it_unsaved(fp32)     # the casts at the model's edges
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
         low = LOW[next(dtype for dtype in plan.values() if dtype != "fp32")]
