@@ -125,6 +125,19 @@ def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[
             for name, dtypes in tunable_modules(model, config.config_set).items()}
 
 
+def unlowerable(model: nn.Module, candidates: dict[str, list[str]]) -> list[str]:
+    """The candidates no technique takes in any dtype but fp32 on the configured device, logged by type: a module
+    quantised already (torch.ao's dynamic Linear matches "Linear" by name) or one with integer weights stays as it
+    is, and without the warning a run that tuned nothing would read as one that found nothing faster."""
+    kept = [name for name, dtypes in candidates.items() if set(dtypes) <= {"fp32"}]
+    if kept:
+        kinds = sorted({f"{type(model.get_submodule(name)).__module__}.{type(model.get_submodule(name)).__name__}"
+                        for name in kept})
+        log.warning("%d of the %d tunable modules stay as they are: no technique lowers them (%s; quantised "
+                    "already, or weights not in floating point)", len(kept), len(candidates), ", ".join(kinds))
+    return kept
+
+
 UNTUNED_SHARE = 0.1   # a module type holding this share of the weights, none of it tuned, is named in the log
 
 

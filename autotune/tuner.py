@@ -28,6 +28,7 @@ from autotune.discovery import (
     runnable_alone,
     search_candidates,
     uncompiled,
+    unlowerable,
     untuned_weights,
 )
 from autotune.engines.quiet import library_notes_dropped
@@ -154,6 +155,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     fp32 = _working_copy(model, device)
     candidates = search_candidates(fp32, config)
     untuned_weights(fp32, candidates)
+    unlowerable(fp32, candidates)
     storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     weights = studies.weights_signature(fp32)
     name = study_name_for(model, config, candidates, storage, weights)

@@ -97,3 +97,22 @@ def test_a_tied_weight_counts_once_in_the_share_of_the_weights_left_untuned():
     untuned = untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig()]))
     unique = 32000 + 32 * 32 + 32 + 1000
     assert untuned == {"Embedding": (1, pytest.approx(32000 / unique))}
+
+
+def test_modules_quantised_already_are_named_as_left_as_they_are(caplog):
+    # torch.ao's dynamic int8 Linear matches "Linear" by name, and no technique takes it: the run tuned nothing and
+    # said only that no plan ran faster than fp32.
+    import torch
+
+    from autotune.config.tuning import TuningConfig
+    from autotune.discovery import search_candidates, unlowerable
+
+    float_model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    quantised = torch.ao.quantization.quantize_dynamic(float_model, {nn.Linear}, dtype=torch.qint8)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        assert unlowerable(quantised, search_candidates(quantised, config)) == ["0", "2"]
+    assert "2 of the 2 tunable modules stay as they are: no technique lowers them " \
+           "(torch.ao.nn.quantized.dynamic.modules.linear.Linear; quantised already" in caplog.text
+    caplog.clear()
+    assert unlowerable(float_model, search_candidates(float_model, config)) == [] and not caplog.text
