@@ -259,14 +259,29 @@ class _EntryCalls:
 def record_module_inputs(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, CallInputs]:
     """One forward pass on `inputs`; returns what each named submodule was first called with."""
     recorded: dict[str, CallInputs] = {}
+    _each_module_call(model, names, inputs,
+                      lambda name, args, kwargs: recorded.setdefault(name, (detach_clone(args), detach_clone(kwargs))))
+    return recorded
+
+
+def module_calls(model: nn.Module, names: list[str], inputs: CallInputs) -> dict[str, int]:
+    """One forward pass on `inputs`; returns how many times it called each named submodule (a cell stepped in a
+    loop, a layer every block shares: one call's time is not the module's cost), 0 for one it never called."""
+    counts = dict.fromkeys(names, 0)
+    _each_module_call(model, names, inputs, lambda name, args, kwargs: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+def _each_module_call(model: nn.Module, names: list[str], inputs: CallInputs,
+                      seen: Callable[[str, tuple, dict], Any]) -> None:
+    """One forward of `model` on `inputs`, `seen(name, args, kwargs)` at each call of a named submodule."""
     handles = []
     for name in names:
         def hook(module, args, kwargs, name=name):
-            recorded.setdefault(name, (detach_clone(args), detach_clone(kwargs)))
+            seen(name, args, kwargs)
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     with children_called_as_modules(model, names):   # as they will be once lowered
         call_hooked(model, inputs, handles)
-    return recorded
 
 
 def call_hooked(model: nn.Module, inputs: CallInputs, handles: list) -> Any:

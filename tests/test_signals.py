@@ -113,6 +113,39 @@ def test_the_error_of_a_dtype_timed_slower_than_fp32_on_a_module_is_not_measured
                                                                            "3": ["int8", "fp32"]}
 
 
+class Stepped(nn.Module):
+    """A cell its forward steps five times, then a head called once."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        for _ in range(5):
+            x = torch.tanh(self.cell(x))
+        return self.head(x)
+
+
+class _OneMsACall(_GivenLatency):
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: dict.fromkeys(dtypes, 1.0) for name, dtypes in candidates.items()}
+
+
+def test_a_module_s_cost_is_its_call_s_time_times_the_calls_a_forward_makes_of_it(tmp_path):
+    # A module was costed at one call's time: a cell stepped 20 times in a loop was predicted the slowest plan to
+    # lower when it was the fastest, and the search took plans in the wrong order.
+    import optuna
+
+    from autotune.measure.measurer import cached_signals
+    from autotune.measure.shapes import Shape
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db")
+    inputs = ((torch.randn(4, 8),), {})
+    candidates = {"cell": ["int8", "fp32"], "head": ["int8", "fp32"]}
+    _, latency = cached_signals(study, _OneMsACall(), Stepped().eval(), candidates, inputs, {},
+                                [Shape("example", inputs, 1.0)])
+    assert latency == {"cell": {"int8": 5.0, "fp32": 5.0}, "head": {"int8": 1.0, "fp32": 1.0}}
+
+
 def test_a_groups_modules_are_lowered_together_once_per_dtype_they_share(monkeypatch):
     from autotune import MixedPrecisionConfig, TuningConfig
     from autotune.capture import record_module_inputs

@@ -15,7 +15,7 @@ import optuna
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.capture import record_module_inputs
+from autotune.capture import module_calls, record_module_inputs
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import module_groups
 from autotune.measure import module_latency as per_module
@@ -96,6 +96,13 @@ def _module_latency_at(measurer: Measurer, fp32: nn.Module, candidates: dict[str
     return {name: timed.get(name) or dict.fromkeys(dtypes, 0.0) for name, dtypes in candidates.items()}
 
 
+def _per_forward(fp32: nn.Module, inputs: CallInputs, latency: PerModule) -> PerModule:
+    """Each module's cost per forward on `inputs`: one call's time (module_latency, on its first call's inputs)
+    times the calls the forward makes of it, at least one."""
+    calls = module_calls(fp32, list(latency), inputs)
+    return {name: {dtype: ms * max(calls[name], 1) for dtype, ms in costs.items()} for name, costs in latency.items()}
+
+
 def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, candidates: dict[str, list[str]],
                    inputs: CallInputs, calibration: dict[str, CallInputs],
                    shapes: list[Shape]) -> tuple[PerModule, PerModule]:
@@ -108,8 +115,10 @@ def cached_signals(study: optuna.Study, measurer: Measurer, fp32: nn.Module, can
     sensitivity = studies.get_attr(study, "sensitivity")
     latency = studies.get_attr(study, "module_latency_ms")
     if sensitivity is None or latency is None:
-        per_shape = [measurer.module_latency(fp32, candidates, inputs, calibration) if shape.inputs is inputs
-                     else _module_latency_at(measurer, fp32, candidates, shape) for shape in shapes]
+        per_shape = [_per_forward(fp32, shape.inputs,
+                                  measurer.module_latency(fp32, candidates, inputs, calibration)
+                                  if shape.inputs is inputs else _module_latency_at(measurer, fp32, candidates, shape))
+                     for shape in shapes]
         latency = combine_module_latency(per_shape, shapes)
         kept = {name: [d for d in dtypes if latency[name][d] <= latency[name]["fp32"]]
                 for name, dtypes in candidates.items()}
