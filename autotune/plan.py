@@ -67,11 +67,16 @@ def validate_plan(plan: Plan, candidates: dict[str, list[str]]) -> None:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Puts `new` at dotted `name` inside `model`; returns the (possibly new) root."""
+    """Puts `new` at dotted `name` inside `model`, and wherever else the module there is registered (a TCN block
+    holding its convolution and a Sequential of it: the forward may call it through either); returns the
+    (possibly new) root."""
     if name == "":
         return new
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, new)
+    old = model.get_submodule(name)
+    for parent in model.modules():
+        for child_name, child in list(parent.named_children()):
+            if child is old:
+                setattr(parent, child_name, new)
     calls_children_as_modules(model, [name])
     return model
 

@@ -122,3 +122,27 @@ def test_a_parent_that_needs_what_a_skipped_forward_sets_runs_every_forward_in_f
     output, replay = prefix.PrefixReplay.record(Reads().eval(), ((torch.randn(8, 16),), {}), [["second"]],
                                                 lambda ref, out: 0.0)
     assert replay is None and output.shape == (8, 4)
+
+
+class TwiceRegistered(nn.Module):
+    """A TCN block's layout: its convolutions are attributes of the block and members of a Sequential it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(8, 8, 3, padding=1), nn.Conv1d(8, 8, 3, padding=1)
+        self.net = nn.Sequential(self.conv1, nn.ReLU(), self.conv2)
+
+    def forward(self, x):
+        return torch.relu(self.net(x) + x)
+
+
+def test_a_module_registered_under_two_parents_is_lowered_and_replayed_once_wherever_it_is_called(monkeypatch):
+    # Lowered by one name only, the module the forward calls (through the Sequential) stayed fp32 and its error read
+    # 0; replayed twice, restoring its forward raised AttributeError and the run stopped.
+    torch.manual_seed(0)
+    net = nn.Sequential(TwiceRegistered(), TwiceRegistered(), nn.Conv1d(8, 2, 1)).eval()
+    candidates = {name: ["bf16", "fp32"] for name in ("0.conv1", "0.conv2", "1.conv1", "1.conv2", "2")}
+    inputs = ((torch.randn(4, 8, 32),), {})
+    errors, _ = sensitivity_and_calls(net, candidates, inputs)
+    assert all(errors[name]["bf16"] > 0 for name in candidates), errors
+    assert errors == full_forward_sensitivity(monkeypatch, net, candidates, inputs)

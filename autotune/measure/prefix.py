@@ -46,7 +46,9 @@ class PrefixReplay:
         order, output = _call_order(model, inputs)
         starts = {tuple(members): min((order[id(module)][0] for module in map(model.get_submodule, members)
                                        if id(module) in order), default=-1) for members in units}
-        skipped = {members: _finished_before(model, order, start) for members, start in starts.items()}
+        # Each module once: one registered under two parents is reached through both.
+        skipped = {members: list({id(m): m for m in _finished_before(model, order, start)}.values())
+                   for members, start in starts.items()}
         wanted = {id(module): module for found in skipped.values() for module in found}
         if not wanted:
             return output, None
