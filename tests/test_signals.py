@@ -169,3 +169,32 @@ def test_a_groups_modules_are_lowered_together_once_per_dtype_they_share(monkeyp
         both = sensitivity_module.output_error(reference.flatten(), call(
             apply_plan(net, {"0": "int8", "2": "int8", "4": "fp32"}, calibration), inputs))
     assert math.hypot(errors["0"]["int8"], errors["2"]["int8"]) == pytest.approx(both, rel=1e-5)
+
+
+class Labels(nn.Module):
+    """A classifier whose forward returns the labels themselves (argmax), as a greedy decoder returns token ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x))).argmax(-1)
+
+
+def test_a_forward_returning_labels_is_measured_by_the_share_of_labels_that_change():
+    # It stopped the run with "TypeError: the model returned no floating tensor to compare".
+    from autotune.capture import record_module_inputs
+    from autotune.measure.sensitivity import module_sensitivity, output_error
+
+    assert output_error(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 0, 4])) == pytest.approx(0.5)
+    assert output_error(torch.tensor([1, 2, 3, 4]), (torch.tensor([1, 2, 3, 4]),)) == 0.0
+    torch.manual_seed(0)
+    net, inputs = Labels().eval(), ((torch.randn(512, 16),), {})
+    candidates = {"body": ["int8", "fp32"], "head": ["int8", "fp32"]}
+    errors = module_sensitivity(net, candidates, inputs, record_module_inputs(net, list(candidates), inputs))
+    with torch.no_grad():
+        reference = net(inputs[0][0])
+    assert all(0 <= errors[name]["int8"] <= 1 for name in candidates) and errors["body"]["fp32"] == 0.0
+    changed = (reference != reference.flip(0)).float().mean().sqrt().item()
+    assert output_error(reference, reference.flip(0)) == pytest.approx(changed) and changed > 0.5

@@ -17,21 +17,29 @@ from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
 from autotune.model_call import call
 from autotune.plan import lower_module, replace_module
-from autotune.tree import float_tensors
+from autotune.tree import float_tensors, tensors
 
 log = logging.getLogger("autotune")
 
 
 def _flat_output(output) -> torch.Tensor:
+    """The output's float tensors, flattened into one; where it has none, its others (labels, token ids)."""
     floats = float_tensors(output)
-    if not floats:
-        raise TypeError("the model returned no floating tensor to compare")
-    return torch.cat([t.detach().float().flatten() for t in floats])
+    if floats:
+        return torch.cat([t.detach().float().flatten() for t in floats])
+    others = tensors(output)
+    if not others:
+        raise TypeError(f"the model returned no tensor to compare (a {type(output).__name__})")
+    return torch.cat([t.detach().flatten() for t in others])
 
 
 def output_error(reference: torch.Tensor, output) -> float:
-    """Relative L2 error of a model output against the fp32 reference (nan/inf counts as total loss)."""
+    """Relative L2 error of a model output against the fp32 reference (nan/inf counts as total loss); for an
+    output of labels or token ids (a forward ending in argmax or a greedy decode), the square root of the share of
+    them that changed, so that errors of modules lowered together add as squared errors do."""
     flat = _flat_output(output)
+    if not reference.is_floating_point():
+        return (flat != reference).float().mean().sqrt().item() if flat.shape == reference.shape else math.inf
     error = ((flat - reference).norm() / reference.norm().clamp(min=1e-12)).item()
     return error if error == error and error != float("inf") else float("inf")
 
