@@ -131,8 +131,7 @@ def unlowerable(model: nn.Module, candidates: dict[str, list[str]]) -> list[str]
     is, and without the warning a run that tuned nothing would read as one that found nothing faster."""
     kept = [name for name, dtypes in candidates.items() if set(dtypes) <= {"fp32"}]
     if kept:
-        kinds = sorted({f"{type(model.get_submodule(name)).__module__}.{type(model.get_submodule(name)).__name__}"
-                        for name in kept})
+        kinds = sorted({f"{kind.__module__}.{kind.__name__}" for kind in (type(model.get_submodule(n)) for n in kept)})
         log.warning("%d of the %d tunable modules stay as they are: no technique lowers them (%s; quantised "
                     "already, or weights not in floating point)", len(kept), len(candidates), ", ".join(kinds))
     return kept

@@ -73,10 +73,9 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     if name == "":
         return new
     old = model.get_submodule(name)
-    for parent in model.modules():
-        for child_name, child in list(parent.named_children()):
-            if child is old:
-                setattr(parent, child_name, new)
+    for path in [path for path, module in model.named_modules(remove_duplicate=False) if module is old]:
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
     calls_children_as_modules(model, [name])
     return model
 

@@ -146,3 +146,20 @@ def test_a_module_registered_under_two_parents_is_lowered_and_replayed_once_wher
     errors, _ = sensitivity_and_calls(net, candidates, inputs)
     assert all(errors[name]["bf16"] > 0 for name in candidates), errors
     assert errors == full_forward_sensitivity(monkeypatch, net, candidates, inputs)
+
+
+class TwiceInOneParent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = self.first          # one module under two names of the same parent
+
+    def forward(self, x):
+        return self.second(torch.relu(x)) + 0.5
+
+
+def test_a_module_registered_twice_in_one_parent_is_lowered_under_both_names():
+    from autotune.plan import replace_module
+
+    net, lowered = TwiceInOneParent(), nn.Identity()
+    assert replace_module(net, "first", lowered) is net and net.first is lowered and net.second is lowered
