@@ -116,3 +116,37 @@ def test_modules_quantised_already_are_named_as_left_as_they_are(caplog):
            "(torch.ao.nn.quantized.dynamic.modules.linear.Linear; quantised already" in caplog.text
     caplog.clear()
     assert unlowerable(float_model, search_candidates(float_model, config)) == [] and not caplog.text
+
+
+class Stepped(nn.Module):
+    """A decoder stepping an LSTMCell and a GRUCell over its input, as seq2seq decoders are written."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.gru, self.out = nn.LSTMCell(8, 16), nn.GRUCell(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = c = g = x.new_zeros(x.shape[1], 16)
+        for step in x:
+            h, c = self.lstm(step, (h, c))
+            g = self.gru(h, g)
+        return self.out(g)
+
+
+def test_recurrent_cells_stepped_in_a_loop_are_tuned_by_default_in_the_dtypes_that_run_them():
+    # Most of such a decoder's weights sit in its cells, which no default module type named: only the output
+    # Linear was tuned.
+    import torch
+
+    from autotune.config.tuning import TuningConfig
+    from autotune.discovery import search_candidates
+    from autotune.plan import apply_plan
+
+    torch.manual_seed(0)
+    decoder, x = Stepped().eval(), torch.randn(6, 3, 8)
+    found = search_candidates(decoder, TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16"])))
+    assert found == {"lstm": ["bf16", "fp32"], "gru": ["bf16", "fp32"], "out": ["int8", "bf16", "fp32"]}
+    lowered = apply_plan(decoder, {"lstm": "bf16", "gru": "bf16", "out": "fp32"})
+    with torch.no_grad():
+        out, reference = lowered(x), decoder(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05) and not torch.equal(out, reference)

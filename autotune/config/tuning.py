@@ -85,7 +85,8 @@ class MixedPrecisionConfig(ConfigModel):
     dtype: list[DtypeName] = Field(default_factory=lambda: ["int8", "bf16", "fp32"], min_length=1)
     module_types: list[str] = Field(
         default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-                                 "ConvTranspose3d", "Conv1D", "LSTM", "GRU", "MultiheadAttention"], min_length=1,
+                                 "ConvTranspose3d", "Conv1D", "LSTM", "GRU", "LSTMCell", "GRUCell",
+                                 "MultiheadAttention"], min_length=1,
         description="class names (or dotted import paths) of the modules to tune; Conv1D is transformers' "
                     "GPT-style projection; a MultiheadAttention is one unit with its projections (bf16 / fp16)")
     include: list[str] = Field(default_factory=list, description="only modules matching one of these")
