@@ -73,10 +73,11 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     if name == "":
         return new
     old = model.get_submodule(name)
-    for path in [path for path, module in model.named_modules(remove_duplicate=False) if module is old]:
+    paths = [path for path, module in model.named_modules(remove_duplicate=False) if module is old]
+    for path in paths:
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
-    calls_children_as_modules(model, [name])
+    calls_children_as_modules(model, paths)
     return model
 
 

@@ -72,13 +72,15 @@ def held_plan(model, names) -> dict[str, str]:
     compiles is evaluated as it runs, compiled: its plan is read from the module it compiles."""
     import torch
 
+    from autotune.engines.lowp import LOW
     from autotune.plan import plan_of
     inner = getattr(model, "_orig_mod", model)
     plan = plan_of(inner, names)
+    cast_to = {dtype: name for name, dtype in LOW.items()}
     for name, dtype in plan.items():
         weight = getattr(inner.get_submodule(name), "weight", None)
         if dtype == "fp32" and isinstance(weight, torch.Tensor):
-            plan[name] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, "fp32")
+            plan[name] = cast_to.get(weight.dtype, "fp32")
     return plan
 
 

@@ -3,6 +3,8 @@ its class, its methods and every hook (torch.fx's `fuse` returned a GraphModule 
 hooks set on it: the lowp engine's casts were lost when such a tuned model was saved and loaded)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
@@ -34,7 +36,7 @@ def _foldable_pairs(model: nn.Module) -> list[tuple[str, str]]:
     graph = torch.fx.symbolic_trace(model).graph
     modules = dict(model.named_modules())
     calls = [node for node in graph.nodes if node.op == "call_module"]
-    once = {target for target in (node.target for node in calls) if sum(n.target == target for n in calls) == 1}
+    times_called = Counter(node.target for node in calls)
     pairs = []
     for node in calls:
         source = node.args[0] if node.args else None
@@ -42,7 +44,7 @@ def _foldable_pairs(model: nn.Module) -> list[tuple[str, str]]:
             continue
         layer, norm = modules[source.target], modules[node.target]
         if (any(type(layer) is a and type(norm) is b for a, b in FOLDABLE) and norm.track_running_stats
-                and norm.running_mean is not None and {source.target, node.target} <= once
+                and norm.running_mean is not None and times_called[source.target] == times_called[node.target] == 1
                 and not any(forward_hooks(m, kind) for m in (layer, norm) for kind in ("", "_pre"))):
             pairs.append((source.target, node.target))
     return pairs
