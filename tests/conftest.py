@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -64,6 +66,23 @@ def postgres(postgres_server, request):
         connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
     admin.dispose()
     return postgres_server.replace("/postgres?", f"/{name}?", 1)
+
+
+@contextmanager
+def refusing_connections(server: str, url: str):
+    """While the block runs, the database of `url` has closed every connection to it and refuses new ones, as
+    while its server restarts or fails over."""
+    import sqlalchemy
+    name = sqlalchemy.engine.make_url(url).database
+    admin = sqlalchemy.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        connection.exec_driver_sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+        try:
+            yield
+        finally:
+            connection.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+    admin.dispose()
 
 
 def held_plan(model, names) -> dict[str, str]:

@@ -12,9 +12,10 @@ import time
 import optuna
 import pytest
 import sqlalchemy
+from conftest import refusing_connections
 
 from autotune.storage.claims import PlanClaims, lease
-from autotune.storage.rdb import open_storage
+from autotune.storage.rdb import lost_connection, open_storage, reachable
 
 QUEUED = 60      # trials queued for WORKERS processes to pop at once
 WORKERS = 4
@@ -247,3 +248,42 @@ def test_trials_in_flight_outside_the_guided_phase_count_against_the_shared_pati
     view = view_trials(study)
     assert view.unguided_in_flight == 1
     assert not Patience(3, SimpleNamespace(stale=1, unguided_in_flight=view.unguided_in_flight)).spent
+
+
+def test_a_postgres_storage_replaces_the_connections_its_server_closed(postgres_server, postgres):
+    study = optuna.create_study(study_name="s", storage=open_storage(postgres))
+    study.set_user_attr("before", 1)
+    with refusing_connections(postgres_server, postgres):    # closes the pooled connection, as a restart would
+        pass
+    study.set_user_attr("after", 2)
+    assert optuna.load_study(study_name="s", storage=postgres).user_attrs == {"before": 1, "after": 2}
+
+
+def test_a_lost_database_is_told_from_an_error_in_what_was_asked_of_it(postgres_server, postgres):
+    storage = open_storage(postgres)
+    study = optuna.create_study(study_name="s", storage=storage)
+    with pytest.raises(sqlalchemy.exc.IntegrityError) as duplicate, storage.engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE t (k int PRIMARY KEY); INSERT INTO t VALUES (1), (1)")
+    assert not lost_connection(duplicate.value, storage.engine)
+    with refusing_connections(postgres_server, postgres):
+        assert not reachable(storage.engine)
+        with pytest.raises(Exception) as refused:    # Optuna's own error, raised from SQLAlchemy's
+            study.set_user_attr("during", 1)
+        assert lost_connection(refused.value, storage.engine)
+    assert reachable(storage.engine)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_heartbeats_go_on_after_the_database_refused_some(postgres_server, postgres, caplog):
+    from autotune.search.trials import RUNNER_ATTR, fail_stale_trials
+    storage = open_storage(postgres, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask()
+    trial.set_user_attr(RUNNER_ATTR, f"host:1:abc:{trial.number}")
+    with refusing_connections(postgres_server, postgres), caplog.at_level("WARNING", logger="autotune"):
+        for _ in range(2):   # Optuna's heartbeat thread would end at the first that raised
+            storage.record_heartbeat(trial._trial_id)
+    assert caplog.text.count("heartbeat could not be written") == 1, caplog.text
+    storage.record_heartbeat(trial._trial_id)
+    fail_stale_trials(study, grace_period=2)
+    assert study.trials[0].state == optuna.trial.TrialState.RUNNING    # its last beat is fresh

@@ -12,11 +12,10 @@ from typing import Any
 
 import click
 import optuna
-import sqlalchemy
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
-from autotune.storage.rdb import open_storage, shown, sqlite_path
+from autotune.storage.rdb import database_error, database_says, open_storage, shown, sqlite_path
 
 
 def resolve_storage(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
@@ -112,8 +111,9 @@ def _interrupted(ctx: click.Context) -> None:
 def _as_cli_error(exc: Exception) -> click.ClickException:
     if isinstance(exc, AutotuneError):
         return CliError(str(exc))
-    if isinstance(exc, sqlalchemy.exc.DBAPIError):
-        return CliError(f"the study storage failed: {' '.join(str(exc.orig).split())}")
+    if (error := database_error(exc)) is not None:   # raised by SQLAlchemy, or by Optuna's storage from it
+        return CliError(f"the study storage failed: {database_says(error)}; once it answers, run the command "
+                        "again (a tuning run resumes from its finished trials)")
     if isinstance(exc, OSError) and exc.filename:
         return CliError(f"cannot write or read {exc.filename}: {exc.strerror}")
     error = click.ClickException(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")

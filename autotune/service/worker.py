@@ -4,6 +4,9 @@ Several workers (on one machine or many) share a running job's study and budget.
 waits for the job's trials still running elsewhere, then one of them, under the study's "finish" lease,
 verifies the winner and marks the job done. A job that cannot run (malformed YAML, a missing data file, an
 import path its worker does not allow, an eval_fn that fails at the baseline) fails alone with its reason.
+A database that stops answering (a server restart, a failover, a network cut) fails no job: the worker waits
+for it and takes its job up again where the study stands; only the trial it was running is lost, and that
+trial's plan is queued again once its heartbeat is found stale.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from autotune.plan import summarize
 from autotune.search.trials import TrialRunner, fail_stale_trials
 from autotune.service.jobs import CANCELLED, DONE, FAILED, RUNNING, Job, JobQueue
 from autotune.storage.claims import lease
+from autotune.storage.rdb import lost_connection, wait_until_reachable
 from autotune.tuner import finish, search, start_runner
 
 log = logging.getLogger("autotune")
@@ -73,18 +77,24 @@ class Worker:
 
     def run(self, exit_when_idle: bool = False, poll_s: float = 2.0) -> int:
         """Runs jobs until none is open (with `exit_when_idle`) or forever; returns how many it worked on."""
-        worked = 0
+        worked: set[int] = set()
         while True:
-            job = self.queue.take()
+            try:
+                job = self.queue.take()
+            except Exception as exc:
+                self._wait_if_lost(exc)
+                continue
             if job is None:
                 if exit_when_idle:
-                    return worked
+                    return len(worked)
                 time.sleep(poll_s)
                 continue
-            worked += 1
+            worked.add(job.id)
             self.run_job(job)
 
     def run_job(self, job: Job) -> None:
+        """Runs `job` to its end or fails it with its reason; where the database stopped answering, waits for it
+        instead (the job is still running: the next `take` may hand it back)."""
         started = time.monotonic()
         try:
             config = job_config(job, self.allow)
@@ -96,10 +106,17 @@ class Worker:
             log.info("job %d: search stopped: %s", job.id, stopped)
             if self.queue.get(job.id).state == RUNNING:
                 self._finish(job, runner, started)
-        except AutotuneError as exc:
-            self._fail(job, str(exc))
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
-            self._fail(job, f"{type(exc).__name__}: {exc}")
+            if lost_connection(exc, self.storage.engine):
+                wait_until_reachable(self.storage.engine, exc)
+            else:
+                self._fail(job, str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}")
+
+    def _wait_if_lost(self, exc: Exception) -> None:
+        """Returns once the database answers again where `exc` came of losing it; else raises `exc`."""
+        if not lost_connection(exc, self.storage.engine):
+            raise exc
+        wait_until_reachable(self.storage.engine, exc)
 
     def _cancelled(self, job_id: int) -> Callable[[], str | None]:
         def check() -> str | None:

@@ -2,6 +2,7 @@
 local workers. Any RDB URL Optuna accepts works (PostgreSQL for several machines)."""
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Iterator
@@ -12,9 +13,13 @@ import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-from autotune.errors import StorageError
+from autotune.errors import StorageError, describe
 
+log = logging.getLogger("autotune")
 SCHEMA_ATTEMPTS = 5
+MOST_WAIT_S = 10.0    # longest pause between looks at a database that does not answer
+# What SQLAlchemy raises where the database connection fails, as opposed to what was asked of it (IntegrityError..)
+CONNECTION_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)
 
 
 def shown(url: str) -> str:
@@ -42,9 +47,82 @@ def storage_errors(url: str) -> Iterator[None]:
         raise StorageError(f"no database driver for the storage URL {shown(url)!r} is installed ({exc}); for "
                            "PostgreSQL: pip install 'psycopg[binary]'") from None
     except sqlalchemy.exc.DBAPIError as exc:
-        reason = " ".join(str(exc.orig).split())
+        reason = database_says(exc)
         kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
         raise StorageError(f"cannot use the study storage {shown(url)}: {reason}{kept}") from None
+
+
+def database_error(exc: BaseException) -> sqlalchemy.exc.DBAPIError | None:
+    """The database's error behind `exc`, as SQLAlchemy raised it (Optuna's storage raises its own errors from
+    it), or None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, sqlalchemy.exc.DBAPIError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def database_says(error: sqlalchemy.exc.DBAPIError) -> str:
+    """The database's own message, on one line (without SQLAlchemy's statement and links)."""
+    return " ".join(str(error.orig).split())
+
+
+def reachable(engine: sqlalchemy.engine.Engine) -> bool:
+    """Whether the database answers a query now."""
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
+    except sqlalchemy.exc.DBAPIError:
+        return False
+    return True
+
+
+def lost_connection(exc: BaseException, engine: sqlalchemy.engine.Engine) -> bool:
+    """Whether `exc` came of losing the database rather than of what was asked of it: a connection dropped
+    mid-use (a server restart or failover, a network cut), or refused while the database does not answer."""
+    error = database_error(exc)
+    if not isinstance(error, CONNECTION_ERRORS):
+        return False
+    return error.connection_invalidated or not reachable(engine)
+
+
+def wait_until_reachable(engine: sqlalchemy.engine.Engine, why: BaseException) -> None:
+    """Returns once the database answers again, looking at it ever less often (up to every MOST_WAIT_S)."""
+    error = database_error(why)
+    log.warning("the study storage is unreachable (%s): waiting for it; what it holds is kept",
+                database_says(error) if error is not None else describe(why))
+    started, pause = time.monotonic(), 1.0
+    while not reachable(engine):
+        time.sleep(pause)
+        pause = min(2 * pause, MOST_WAIT_S)
+    log.warning("the study storage answers again after %.0f s: going on", time.monotonic() - started)
+
+
+class SteadyHeartbeatStorage(RDBStorage):
+    """Optuna's RDBStorage whose heartbeats outlast a database that stops answering for a while. Optuna's heartbeat
+    thread ends at the first write that fails; the trial it beat for then runs on unseen, and once the database
+    answers again the other workers' stale-trial check fails it and queues its plan for a second evaluation
+    while its own process is still evaluating it. Here a failed write is logged (once per outage) and the next
+    one tried at the next beat."""
+
+    _failing = False
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        try:
+            super().record_heartbeat(trial_id)
+        except Exception as exc:
+            error = database_error(exc)
+            if not isinstance(error, CONNECTION_ERRORS):
+                raise
+            if not self._failing:
+                log.warning("a running trial's heartbeat could not be written (%s): trying again at the next beat",
+                            database_says(error))
+            self._failing = True
+        else:
+            self._failing = False
 
 
 def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:
@@ -69,12 +147,14 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    # A server's connections may be closed under the pool (a restart, a failover, an idle timeout): each is
+    # checked as it is taken from the pool, and a dead one replaced, instead of failing the next query.
+    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     with warnings.catch_warnings(), storage_errors(url):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         for attempt in range(SCHEMA_ATTEMPTS):
             try:
-                storage = RDBStorage(
+                storage = SteadyHeartbeatStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period,
                     heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3))
