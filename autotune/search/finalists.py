@@ -55,6 +55,26 @@ class Finalist:
     knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
 
 
+@dataclass
+class BuildDeadline:
+    """The run's timeout (time.monotonic(), None: none) as the compiling engines see it: no finalist starts
+    compiling past it, nor where it is nearer than the longest compile so far in this run (a Funnel transformer's
+    second pt2e finalist, begun 5 s before a 240 s timeout, ended 138 s past it)."""
+    at: float | None
+    longest_s: float = 0.0
+
+    def reached(self) -> bool:
+        return self.at is not None and time.monotonic() + self.longest_s >= self.at
+
+    def why(self) -> str:
+        return "the run's timeout " + ("has passed" if time.monotonic() >= self.at else
+                                       f"is nearer than the longest compile so far ({self.longest_s:.0f} s)")
+
+    def note(self, finalist: Finalist) -> None:
+        if finalist.runnable is not finalist.built:
+            self.longest_s = max(self.longest_s, finalist.setup_s)
+
+
 def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
     """Of the passing trials `engine` can realise: the fastest (_fastest_worth_building) and the fastest uniform plan,
     so the winner is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank
@@ -168,8 +188,10 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
     with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
-    `timeout`, time.monotonic()) a compiling engine builds no further finalist: compiles take minutes on a model of
-    hundreds of modules, and the eager engine's finalists, which compile nothing, are built first."""
+    `timeout`, time.monotonic()), or too near it (BuildDeadline), a compiling engine builds no further finalist:
+    compiles take minutes on a model of hundreds of modules, and the eager engine's finalists, which compile
+    nothing, are built first."""
+    timeout = BuildDeadline(deadline)
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     compiling = any(engine != "eager" for engine in runner.config.engines)
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
@@ -189,7 +211,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     for engine_name in runner.config.engines:
         engine = get_engine(engine_name)
         suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        if suffix and (reason := _not_built(runner, engine, deadline)):
+        if suffix and (reason := _not_built(runner, engine, timeout)):
             dropped[engine_name] = reason
             studies.set_attr(runner.study, "engines_dropped", dropped)
             continue
@@ -197,12 +219,12 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
         if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
             plans["fp32"] = fp32
         try:
-            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, deadline), runner)
+            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, timeout), runner)
             found.update(built)
             engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
-            if engine_knobs and built and not (suffix and _past(deadline)):
+            if engine_knobs and built:
                 found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
-                                         failed_knobs))
+                                         failed_knobs, timeout if suffix else BuildDeadline(None)))
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             dropped[engine_name] = str(exc)
@@ -213,11 +235,11 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     return found
 
 
-def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> str | None:
+def _not_built(runner: TrialRunner, engine: Engine, timeout: BuildDeadline) -> str | None:
     """Why a compiling engine's finalists are not built (logged), or None."""
-    if _past(deadline):
-        log.warning("the run's timeout has passed: the %s engine's finalists are not built", engine.name)
-        return "the run's timeout passed before its finalists were built"
+    if timeout.reached():
+        log.warning("%s: the %s engine's finalists are not built", timeout.why(), engine.name)
+        return f"{timeout.why()}, so its finalists were not built"
     if engine.keeps_model:
         return None
     if callers := studies.get_attr(runner.study, OWN_CALLERS_ATTR):
@@ -236,11 +258,11 @@ def _not_built(runner: TrialRunner, engine: Engine, deadline: float | None) -> s
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
-              cache: CompileCache, deadline: float | None = None) -> dict[str, Finalist]:
+              cache: CompileCache, timeout: BuildDeadline | None = None) -> dict[str, Finalist]:
     """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
     out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
     ENGINE_TRIES failures or all of them, the engine cannot run this model. A compiling engine (`suffix`) that has
-    built one stops past `deadline`.
+    built one stops at the run's `timeout`.
 
     Raises:
         EngineUnavailable: the first failure's reason, when the engine is given up.
@@ -250,13 +272,15 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
     for count, (name, plan) in enumerate(plans.items()):
         if not built and len(failures) == ENGINE_TRIES:
             break
-        if suffix and built and _past(deadline):
-            log.warning("the run's timeout has passed: %d more finalists of the %s engine are not built",
-                        len(plans) - count, engine.name)
+        if suffix and built and timeout is not None and timeout.reached():
+            log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(), len(plans) - count,
+                        engine.name)
             break
         try:
             built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
             _say_ready(name + suffix, built[name + suffix])
+            if timeout is not None:
+                timeout.note(built[name + suffix])
         except EngineUnavailable as exc:
             failures.append((name + suffix, exc))
     if failures and not built:
@@ -264,10 +288,6 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
     for name, exc in failures:
         log.warning("%s is left out: %s", name, exc)
     return built
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
 
 
 def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
@@ -315,17 +335,23 @@ def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
 
 
 def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
-                cache: CompileCache, failed: set[str]) -> dict[str, Finalist]:
-    """The finalist `base` (its name and plan) with each of `knobs` (those with an effect in this engine); a knob
-    the model's tool or the engine then cannot handle is left out with its reason logged."""
+                cache: CompileCache, failed: set[str], timeout: BuildDeadline) -> dict[str, Finalist]:
+    """The finalist `base` (its name and plan) with each of `knobs` (those with an effect in this engine) until
+    the run's `timeout`; a knob the model's tool or the engine then cannot handle is left out with its reason
+    logged."""
     found: dict[str, Finalist] = {}
-    for knob in (KNOBS[name] for name in knobs):
+    for count, knob in enumerate(KNOBS[name] for name in knobs):
+        if timeout.reached():
+            log.warning("%s: %s is not tried with %s in the %s engine", timeout.why(), ", ".join(knobs[count:]),
+                        base[0], engine.name)
+            break
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
         calibration = Calibration(runner.batches, runner.calibration)
         try:
             name = f"{base[0]} +{knob.name}"
             found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
             _say_ready(name, found[name])
+            timeout.note(found[name])
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
             level = logging.INFO if knob.name in failed else logging.WARNING
             log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
