@@ -317,7 +317,8 @@ def example_or_batches(model: nn.Module, eval_fn: Callable[[nn.Module], Any], ex
     Raises:
         EvalFunctionError: run_fn fails, or the function called never calls the model.
     """
-    batches = [] if example_inputs is None else [to_device(as_call_inputs(example_inputs), device)]
+    # Copies: the user's own tensors are never handed to the tuner's calls (a forward may change them in place).
+    batches = [] if example_inputs is None else [to_device(detach_clone(as_call_inputs(example_inputs)), device)]
     if run_fn is not None and len(batches) < CALIBRATION_BATCHES:
         try:
             batches += run_capturing(model, run_fn, stop_early=True, batches=CALIBRATION_BATCHES - len(batches),

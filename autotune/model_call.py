@@ -33,21 +33,23 @@ class ModelCall(tuple):
     """(args, kwargs) of one call of the model, with `entries`: the (path, inputs) of the submodule calls made
     before it, in order, and `links`: {position of a tensor in tree.tensors((args, kwargs)): Link}, the inputs that
     were those entries' outputs, or those outputs with each row repeated (generate's beam search expands the
-    encoder's output to one row per beam)."""
+    encoder's output to one row per beam). `changes_inputs`: the model changes its input tensors in place (a forward
+    normalising its input with `x.sub_(mean)`), so each call gets copies of them (`fresh`)."""
     entries: tuple[Entry, ...]
     links: dict[int, Link]
+    changes_inputs: bool
 
     def __new__(cls, pair: tuple, entries: tuple[Entry, ...] | list[Entry] = (),
-                links: dict[int, Link] | None = None):
+                links: dict[int, Link] | None = None, changes_inputs: bool = False):
         made = super().__new__(cls, pair)
-        made.entries, made.links = tuple(entries), dict(links or {})
+        made.entries, made.links, made.changes_inputs = tuple(entries), dict(links or {}), changes_inputs
         return made
 
     def remapped(self, fn: Callable[[Any], Any]) -> ModelCall:
         """A copy with its args, kwargs and every entry's inputs passed through `fn` (how tree.map_tensors walks
         it, so moving, resizing or cloning a recorded call does the same to its entries)."""
         return ModelCall((fn(self[0]), fn(self[1])), [(path, fn(inputs)) for path, inputs in self.entries],
-                         self.links)
+                         self.links, self.changes_inputs)
 
 
 def entries_of(inputs: Any) -> tuple[Entry, ...]:
@@ -118,8 +120,11 @@ def snapshot(leaf: Any) -> Any:
 
 
 def holds_state(inputs: CallInputs) -> bool:
-    """Whether recorded inputs hold an object a call may change (a KV cache): each call then gets its own copy
-    (`fresh`), so every call computes what the recorded one did, not on what earlier calls left."""
+    """Whether a call may change recorded inputs: they hold an object a call changes (a KV cache), or tensors the
+    model changes in place (`ModelCall.changes_inputs`). Each call then gets its own copies (`fresh`), so every call
+    computes what the recorded one did, not on what earlier calls left."""
+    if getattr(inputs, "changes_inputs", False):
+        return True
     found: list[Any] = []
     map_tensors(inputs, lambda t: t, lambda leaf: found.append(leaf) if _is_state(leaf) else None)
     return bool(found)
@@ -132,10 +137,29 @@ STATE_DTYPE = "autotune_state_dtype"
 
 def fresh(inputs: CallInputs, state_dtype: torch.dtype | None = None) -> CallInputs:
     """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`), their fp32
-    tensors and dtype attributes converted to `state_dtype` where given."""
+    tensors and dtype attributes converted to `state_dtype` where given, and copies of their tensors where the model
+    changes them in place."""
     if not holds_state(inputs):
         return inputs
-    return map_tensors(inputs, lambda t: t, lambda leaf: _converted_copy(leaf, state_dtype))
+    copied = (lambda t: t.clone()) if getattr(inputs, "changes_inputs", False) else (lambda t: t)
+    return map_tensors(inputs, copied, lambda leaf: _converted_copy(leaf, state_dtype))
+
+
+def copied_per_call(batches: list[CallInputs], probe: CallInputs) -> list[CallInputs]:
+    """`batches`, marked so that each call gets copies of their tensors (`fresh`) where a call of the model changed
+    the tensors it was given in place: `probe` is a copy of the first batch that the model was called on once, and
+    compared with it (left as they are, the recorded inputs drifted call by call: a forward normalising its
+    input in place drove it to inf, and every module lowered was judged to lose the output)."""
+    if all(_same(after, before) for after, before in zip(tensors(probe), tensors(batches[0]))):
+        return batches
+    return [ModelCall((batch[0], batch[1]), entries_of(batch), getattr(batch, "links", {}), changes_inputs=True)
+            for batch in batches]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 def _converted_copy(leaf: Any, dtype: torch.dtype | None) -> Any:

@@ -19,7 +19,7 @@ from optuna.storages import BaseStorage, RDBStorage
 from torch import nn
 
 from autotune.backends import CallInputs, held_dtype
-from autotune.capture import example_or_batches, record_module_inputs
+from autotune.capture import detach_clone, example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import LatencyInput, TuningConfig
 from autotune.discovery import (
@@ -38,7 +38,7 @@ from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
-from autotune.model_call import entry_paths
+from autotune.model_call import copied_per_call, entry_paths
 from autotune.result import Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import run_search
 from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
@@ -254,7 +254,11 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         eval_calls += 1
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, None, device)
-    calibration = record_module_inputs(fp32, list(candidates), batches[0])
+    probe = detach_clone(batches[0])    # the first call on it shows whether the model changes its inputs
+    calibration = record_module_inputs(fp32, list(candidates), probe)
+    if (marked := copied_per_call(batches, probe)) is not batches:
+        log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
+        batches = marked
     studies.set_attr(study, ENTRY_CALLS_ATTR, list(entry_paths(batches)))
     candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
     timed_calls = None if given else studies.get_attr(study, TIMED_CALLS_ATTR)

@@ -445,3 +445,43 @@ def test_a_scalar_or_empty_entry_output_handed_on_as_it_is_is_linked_once_withou
     scalar, empty, rows = torch.tensor(2.0), torch.zeros(0, 3), torch.arange(4.0).reshape(2, 2)
     live = ((scalar, empty), {"memory": rows.repeat_interleave(3, 0)})
     assert linked(live, [[scalar, empty, rows]]) == {0: (0, 0, 1), 1: (0, 1, 1), 2: (0, 2, 3)}
+
+
+class NormalisesInPlace(nn.Module):
+    """Normalises its input in place, as some preprocessing-in-forward models do: the caller's tensor changes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        x.sub_(0.5).div_(0.25)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_model_changing_its_input_in_place_is_tuned_on_inputs_as_recorded(storage, caplog, given):
+    """Replayed as they were, the recorded inputs drifted call by call (to inf here): every module lowered was
+    judged to lose the output, and the run returned fp32 after no trial. Inputs the user hands over stay as given."""
+    model = NormalisesInPlace().eval()
+    data = torch.rand(256, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(data.clone())
+
+    def eval_fn(net):     # a fresh tensor per call, as a DataLoader gives
+        with torch.no_grad():
+            return -float((net(data.clone()) - reference).abs().mean())
+
+    example = data.clone() if given else None
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+                          loss_kind="absolute", engines=["eager"], max_trials=4, repeats=3, storage=storage)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, eval_fn, example)
+    assert "the model changes the tensors it is called with in place" in caplog.text
+    lost = result.study.user_attrs["autotune.sensitivity"]
+    int8_errors = [errors["int8"] for errors in lost.values() if "int8" in errors]
+    assert int8_errors and max(int8_errors) < 1.0, lost    # finite: measured on the inputs as recorded
+    assert any(t.user_attrs.get("evaluated") and "int8" in t.user_attrs["plan"].values() for t in result.study.trials)
+    if given:
+        assert torch.equal(example, data)
