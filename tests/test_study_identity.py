@@ -62,6 +62,18 @@ def test_weights_signatures_tell_models_apart_by_their_values_names_and_buffers(
     assert not same_weights(signature, renamed)
 
 
+def test_complex_weights_are_told_apart_by_their_imaginary_parts_too(recwarn):
+    """A Fourier layer's complex weights were summed as their real parts (with torch's warning that the imaginary
+    part is discarded): models differing there only read as the same weights."""
+    def spectral(imaginary: float) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.weights = torch.nn.Parameter(torch.complex(torch.ones(4, 4), torch.full((4, 4), imaginary)))
+        return model
+    assert not same_weights(weights_signature(spectral(0.0)), weights_signature(spectral(5.0)))
+    assert same_weights(weights_signature(spectral(5.0)), weights_signature(spectral(5.0)))
+    assert not [w for w in recwarn if "imaginary" in str(w.message)]
+
+
 def test_a_bf16_copy_of_a_model_is_another_set_of_weights(storage):
     """Its sums are the fp32 weights' to about 1e-6, within what tells a model built again elsewhere; its trials'
     scores are not theirs, so it is tuned in a study of its own (and a named fp32 study refuses it)."""

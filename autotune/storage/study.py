@@ -60,7 +60,10 @@ def weights_signature(model: torch.nn.Module) -> dict[str, list[float]]:
 
 
 def _sums(value: torch.Tensor) -> list[float]:
-    values = (value.dequantize() if value.is_quantized else value).detach().double()
+    values = (value.dequantize() if value.is_quantized else value).detach()
+    if values.is_complex():   # both parts count (a Fourier layer's weights): .double() would drop the imaginary one
+        values = torch.view_as_real(values.resolve_conj())
+    values = values.double()
     return [values.abs().sum().item(), values.square().sum().item()]
 
 
