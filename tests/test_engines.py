@@ -700,6 +700,36 @@ def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_the_longe
     assert "more finalists of the compiled engine are not built" in caplog.text
 
 
+def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path, caplog, monkeypatch):
+    """RWKV's first pt2e finalist compiled silently for 13 minutes past a 240 s timeout: a compile's length cannot
+    be known before it ends, so the one running at the timeout is stopped. Here every compile would take 10 min,
+    and each engine starts one whatever the time left (`reached` patched), so each must be stopped."""
+    import time
+
+    from autotune.search import finalists as finals
+    built_and_called = finals._built_and_called
+
+    def endless(engine, *args, **kwargs):
+        if engine.name != "eager":
+            time.sleep(600)
+        return built_and_called(engine, *args, **kwargs)
+
+    monkeypatch.setattr(finals, "_built_and_called", endless)
+    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self: False)
+    model, x = mlp(), batches(1)[0][0][0]
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="autotune"):
+        settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=3)
+        result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
+    assert time.monotonic() - started < 120
+    dropped = result.study.user_attrs["autotune.engines_dropped"]
+    assert set(dropped) == {"compiled", "inductor"}
+    said = r"the run's timeout passed while .* \((compiled|inductor)\) compiled \(after \d+ s\), so it builds no more"
+    assert all(re.fullmatch(said + " finalists", reason) for reason in dropped.values()), dropped
+    assert re.search(r"finalist .* \(compiled\): building and compiling", caplog.text)
+    assert result.engine == "eager"
+
+
 class Int8FastestInContext(HalfCostMeasurer):
     """Module costs that rank bf16 ahead of int8 on every module; whole-model timings in which the uniform int8
     plan runs fastest (what modules timed alone miss of their neighbours)."""

@@ -169,9 +169,9 @@ class TuningConfig(ConfigModel):
                             "call each; a run also scores the fp32 baseline and re-scores the winner as it runs (2 "
                             "calls more, or one per finalist that misses)")
     patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
-    timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it, and no "
-                                  "compiling engine builds another finalist after it or where it is nearer than "
-                                  "the longest compile so far")
+    timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it, no compiling "
+                                  "engine starts another finalist after it or where it is nearer than the longest "
+                                  "compile so far, and a compile still running at it is stopped")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
     engines: list[Literal[ENGINE_NAMES]] = Field(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,7 @@ from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, u
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
+from autotune.timeout import interrupted_after
 
 log = logging.getLogger("autotune")
 
@@ -66,6 +67,13 @@ class BuildDeadline:
     def reached(self) -> bool:
         return self.at is not None and time.monotonic() + self.longest_s >= self.at
 
+    def bounding(self) -> AbstractContextManager[None]:
+        """The block, stopped (CompileTimedOut, from _ready) where it is still running at the timeout: a compile
+        cannot be told how long it will take (RWKV's time loop, unrolled by export, compiled for 13 minutes)."""
+        if self.at is None:
+            return nullcontext()
+        return interrupted_after(self.at - time.monotonic(), _PastTimeout)
+
     def why(self) -> str:
         return "the run's timeout " + ("has passed" if time.monotonic() >= self.at else
                                        f"is nearer than the longest compile so far ({self.longest_s:.0f} s)")
@@ -73,6 +81,15 @@ class BuildDeadline:
     def note(self, finalist: Finalist) -> None:
         if finalist.runnable is not finalist.built:
             self.longest_s = max(self.longest_s, finalist.setup_s)
+
+
+class _PastTimeout(BaseException):
+    """Raised into a compile at the run's timeout: not an Exception, which the compiler's own handlers would take
+    for a failed kernel choice and go on."""
+
+
+class CompileTimedOut(EngineUnavailable):
+    """A finalist was still compiling when the run's timeout passed; its engine builds no more."""
 
 
 def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
@@ -224,7 +241,11 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
             if engine_knobs and built:
                 found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
-                                         failed_knobs, timeout if suffix else BuildDeadline(None)))
+                                         failed_knobs, timeout))
+        except CompileTimedOut as exc:
+            log.warning("the %s engine is not used: %s", engine_name, exc)
+            dropped[engine_name] = str(exc)
+            studies.set_attr(runner.study, "engines_dropped", dropped)
         except EngineUnavailable as exc:
             log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
             dropped[engine_name] = str(exc)
@@ -277,10 +298,15 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
                         engine.name)
             break
         try:
-            built[name + suffix] = _ready(engine, plan, runner, calibration, cache)
-            _say_ready(name + suffix, built[name + suffix])
+            built[name + suffix] = _ready(engine, plan, runner, calibration, cache, name=name + suffix,
+                                          compiling=timeout if suffix else None)
             if timeout is not None:
                 timeout.note(built[name + suffix])
+        except CompileTimedOut as exc:
+            if not built:
+                raise
+            log.warning("%s is left out: %s", name + suffix, exc)
+            break
         except EngineUnavailable as exc:
             failures.append((name + suffix, exc))
     if failures and not built:
@@ -349,9 +375,12 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
         calibration = Calibration(runner.batches, runner.calibration)
         try:
             name = f"{base[0]} +{knob.name}"
-            found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,))
-            _say_ready(name, found[name])
+            found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,), name=name,
+                                 compiling=timeout if engine.name != "eager" else None)
             timeout.note(found[name])
+        except CompileTimedOut as exc:
+            log.warning("%s is left out: %s", name, exc)
+            break
         except Exception as exc:   # a model the knob's tool cannot handle (fx tracing), or the engine then
             level = logging.INFO if knob.name in failed else logging.WARNING
             log.log(level, "%s is not tried in the %s engine: %s", knob.name, engine.name, describe(exc))
@@ -359,16 +388,35 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
     return found
 
 
-def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
-           cache: CompileCache, knobs: tuple[str, ...] = ()) -> Finalist:
+def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration, cache: CompileCache,
+           knobs: tuple[str, ...] = (), *, name: str = "", compiling: BuildDeadline | None = None) -> Finalist:
     """`plan` built in `engine` (or read back from the study's compile cache) and called once at every shape,
     which is when torch.compile compiles: the seconds all that took are the plan's set-up cost in this engine
-    (kept on the study).
+    (kept on the study). In an engine that compiles (`compiling`: the run's timeout), said as it starts and ends
+    (a compile takes seconds to minutes: a run that says nothing meanwhile looks stuck), and stopped at the timeout.
 
     Raises:
+        CompileTimedOut: still compiling at the run's timeout.
         EngineUnavailable: building the plan or the first calls failed (e.g. the compiler could not handle the
             model): after the search, an engine's failure must not cost the run its result.
     """
+    if compiling is None:
+        return _built_and_called(engine, plan, runner, calibration, cache, knobs)
+    log.info("finalist %s: building and compiling", name)
+    started = time.perf_counter()
+    try:
+        with compiling.bounding():
+            finalist = _built_and_called(engine, plan, runner, calibration, cache, knobs)
+    except _PastTimeout:
+        raise CompileTimedOut(f"the run's timeout passed while {name} compiled (after "
+                              f"{time.perf_counter() - started:.0f} s), so it builds no more finalists") from None
+    if finalist.runnable is not finalist.built:
+        log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
+    return finalist
+
+
+def _built_and_called(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
+                      cache: CompileCache, knobs: tuple[str, ...]) -> Finalist:
     started = time.perf_counter()
     try:
         built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
@@ -387,12 +435,6 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
         raise EngineUnavailable(f"{engine.name}: the first call failed: {describe(exc)}") from exc
     return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
-
-
-def _say_ready(name: str, finalist: Finalist) -> None:
-    # Compiling a finalist takes seconds to minutes: a run that says nothing meanwhile looks stuck.
-    if finalist.runnable is not finalist.built:
-        log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
 
 
 def _settled(found: dict[str, Finalist], runner: TrialRunner) -> dict[str, Finalist]:
