@@ -1,14 +1,37 @@
 """Every error the tuner raises on purpose derives from AutotuneError, so callers can catch one type."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 
 def describe(exc: BaseException, limit: int = 300) -> str:
     """An exception in one line for a log or a reason: "TypeName: the first line of its message", with the next
     where the first ends in a colon ("... See:" then a link), cut at `limit` (torch's messages run to pages of hints
-    and tracebacks)."""
+    and tracebacks). A torch.compile error's first line names only what failed ("RuntimeError when making fake
+    tensor call"): the error under it and the line of the model's code that raised it follow."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [""]
     first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
-    return f"{type(exc).__name__}: {first[:limit]}"
+    return f"{type(exc).__name__}: {first[:limit]}{_compile_error_cause(str(exc))}"
+
+
+def _compile_error_cause(text: str) -> str:
+    """": <the error> (at file:line in function: code)" from dynamo's "Explanation:" line and "from user code:"
+    block, or "" for other messages."""
+    lines = [line.strip() for line in text.splitlines()]
+    explanation = next((line for line in lines if line.startswith("Explanation:")), "")
+    cause = re.search(r"got (\w+\(.*\))$", explanation)
+    said = f": {cause.group(1)[:200]}" if cause else ""
+    if "from user code:" in lines:
+        block = lines[lines.index("from user code:") + 1:]
+        block = block[:block.index("")] if "" in block else block
+        frames = [index for index, line in enumerate(block) if re.match(r'File ".+", line \d+, in ', line)]
+        if frames:     # the innermost: listed last, its code on the next line
+            found = re.match(r'File "(.+)", line (\d+), in (.+)', block[frames[-1]])
+            code = block[frames[-1] + 1] if frames[-1] + 1 < len(block) else ""
+            said += f" (at {Path(found.group(1)).name}:{found.group(2)} in {found.group(3)}" + \
+                    (f": {code[:120]})" if code else ")")
+    return said
 
 
 class AutotuneError(Exception):

@@ -1116,6 +1116,35 @@ def test_a_tuning_run_in_every_engine_shows_none_of_the_notes_torch_and_torchao_
     assert_no_library_notes(done.stderr)
 
 
+class AddsAnFp32Constant(nn.Module):
+    """PointNet's T-Net: an fp32 constant made in forward, which the whole-bf16 model cannot multiply with."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.conv, self.wide = nn.Linear(3, 9), nn.Conv1d(3, 256, 1), nn.Conv1d(256, 1024, 1)
+        self.out = nn.Linear(1024, 4)
+
+    def forward(self, points):
+        transform = self.fc(points.mean(2)).view(-1, 3, 3) + torch.eye(3)
+        return self.out(self.wide(self.conv(torch.bmm(transform, points))).amax(2))
+
+
+def test_an_engine_the_compiler_cannot_run_is_dropped_in_one_line_naming_the_cause_and_the_models_code(
+        tmp_path, caplog):
+    """The line said only "RuntimeError when making fake tensor call", after torch's own traceback of the meta
+    kernel that refused it (22 lines per finalist)."""
+    torch.manual_seed(0)
+    model, x = AddsAnFp32Constant().eval(), torch.randn(16, 3, 1024)
+    settings = config(tmp_path, engines=["eager", "lowp"], config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]),
+                      tolerable_loss=1.0, loss_kind="absolute", higher_is_better=False, max_trials=2)
+    with caplog.at_level("INFO"):
+        autotune(model, settings, lambda net: float((net(x) - model(x)).abs().mean()), x)
+    dropped = [r.getMessage() for r in caplog.records if "the lowp engine cannot run this model" in r.getMessage()]
+    assert len(dropped) == 1 and "expected scalar type" in dropped[0], dropped
+    assert "test_engines.py" in dropped[0] and "in forward: return self.out(self.wide(" in dropped[0], dropped
+    assert not [r for r in caplog.records if r.name.startswith("torch") and r.levelno >= logging.ERROR]
+
+
 def test_a_compiled_engine_model_saves_with_torch_save_and_runs_frozen_where_it_is_loaded(tmp_path):
     """What `autotune()` returns for the compiled engine pickles as its exported graph (the converted graph itself
     does not), and is compiled again, frozen, where it is loaded; one never called cannot be exported yet. First

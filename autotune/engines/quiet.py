@@ -21,6 +21,9 @@ LOGGED_NOTES = {
     "torch.fx.experimental.symbolic_shapes": r"Unable to find user code corresponding to",
     # a file torch.export.load cannot open: it dumps the traceback, then tries its older format, which raises
     "torch.export": r"Ran into the following error when deserializing",
+    # a meta kernel refusing what the model computes (a bf16 matmul with an fp32 constant): the traceback, then the
+    # error the engine reports in a line
+    "torch._subclasses.fake_tensor": r"failed while attempting to run meta for",
 }
 WARNED_NOTES = (
     r"No complete tensor found in the group",    # torch.export.save of weights that share storage
