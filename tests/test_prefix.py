@@ -163,3 +163,33 @@ def test_a_module_registered_twice_in_one_parent_is_lowered_under_both_names():
 
     net, lowered = TwiceInOneParent(), nn.Identity()
     assert replace_module(net, "first", lowered) is net and net.first is lowered and net.second is lowered
+
+
+class SamplesItsLatent(nn.Module):
+    """A VAE: its forward samples the latent, a new draw on every call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode, self.decode, self.head = nn.Linear(16, 64), nn.Linear(32, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        mean, log_var = self.encode(x).chunk(2, dim=-1)
+        latent = mean + torch.randn_like(mean) * (0.5 * log_var).exp()
+        return self.head(torch.relu(self.decode(latent)))
+
+
+def test_a_forward_that_samples_draws_the_same_numbers_in_every_signal_so_they_measure_the_lowering():
+    """Each forward drew anew: every module and dtype of a VAE read the same error, the difference of two draws,
+    and the search was blind. The caller's random state is left as it was."""
+    net, inputs = SamplesItsLatent().eval(), ((torch.randn(64, 16),), {})
+    candidates = {name: ["bf16", "fp32"] for name in ("encode", "decode", "head")}
+    calibration = record_module_inputs(net, list(candidates), inputs)
+    state = torch.get_rng_state()
+    errors = module_sensitivity(net, candidates, inputs, calibration)
+    assert torch.equal(torch.get_rng_state(), state)
+    draws = [torch.randn(64, 32) for _ in range(2)]
+    with torch.no_grad():    # what two draws differ by, the noise the signals read before
+        noise = (net.head(torch.relu(net.decode(draws[0]))) - net.head(torch.relu(net.decode(draws[1])))).norm()
+        noise /= net.head(torch.relu(net.decode(draws[0]))).norm()
+    assert noise > 0.3 and all(0 < errors[name]["bf16"] < 0.05 for name in candidates), (noise, errors)

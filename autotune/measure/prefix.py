@@ -23,7 +23,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.capture import call_hooked, detach_clone
-from autotune.model_call import call
+from autotune.model_call import call, same_random_draws
 from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")
@@ -43,7 +43,8 @@ class PrefixReplay:
         """The reference output of `model` on `inputs`, and the replay for `units`: None where no unit can skip
         anything, or skipping would keep too much, or would change the output by `error(reference, output)`.
         Runs the model two or three times (the third, replaying, skips much of it)."""
-        order, output = _call_order(model, inputs)
+        with same_random_draws(model):   # each forward here draws what the others do
+            order, output = _call_order(model, inputs)
         starts = {tuple(members): min((order[id(module)][0] for module in map(model.get_submodule, members)
                                        if id(module) in order), default=-1) for members in units}
         # Each module once: one registered under two parents is reached through both.
@@ -52,14 +53,16 @@ class PrefixReplay:
         wanted = {id(module): module for found in skipped.values() for module in found}
         if not wanted:
             return output, None
-        outputs = _record_outputs(model, inputs, list(wanted.values()))
+        with same_random_draws(model):
+            outputs = _record_outputs(model, inputs, list(wanted.values()))
         if outputs is None:
             log.debug("sensitivity runs every forward in full: the outputs to skip exceed %d bytes",
                       MAX_RECORDED_BYTES)
             return output, None
         replay = cls(outputs, skipped)
         try:
-            with replay.replaying(max(starts, key=starts.__getitem__)), torch.inference_mode():
+            with replay.replaying(max(starts, key=starts.__getitem__)), torch.inference_mode(), \
+                    same_random_draws(model):
                 differs = error(output, call(model, inputs))
             why = f"the check forward's output differs by {differs:.2g}" if differs > MAX_CHECK_ERROR else None
         except Exception as exc:   # e.g. a parent reading what a skipped module's forward would have set

@@ -15,13 +15,11 @@ from autotune.discovery import shared_dtypes, unit_name, units_of
 from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
 from autotune.measure.prefix import PrefixReplay
-from autotune.model_call import call
+from autotune.model_call import call, same_random_draws
 from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors, tensors
 
 log = logging.getLogger("autotune")
-
-
 def _flat_output(output) -> torch.Tensor:
     """The output's float tensors, flattened into one; where it has none, its others (labels, token ids)."""
     floats = float_tensors(output)
@@ -70,7 +68,8 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
                     try:
                         for name, original in originals.items():
                             work = replace_module(work, name, lower_module(original, dtype, calibration.get(name)))
-                        error = output_error(reference, call(work, inputs))
+                        with same_random_draws(work):
+                            error = output_error(reference, call(work, inputs))
                     except Exception as exc:  # the model around the unit fails with it lowered: that dtype only
                         log.warning("%s in %s: the model fails with it (%s), so it stays out of %s",
                                     unit_name(members), dtype, describe(exc, 200), dtype)
