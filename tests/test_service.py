@@ -196,57 +196,56 @@ def test_a_job_naming_an_import_path_the_worker_does_not_allow_runs_nothing(tmp_
     assert not marker.exists()
 
 
-def test_a_worker_waits_out_a_database_outage_and_its_job_ends_done(tmp_path, postgres_server, postgres):
+def outage_config(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A config whose eval_fn logs its calls (the log's path, the config's), with a 3 s grace period."""
     log = tmp_path / "evals.log"
-    config = resume_workload.write_config(
-        tmp_path, "outage", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log),
-                                                                                "delay_s": 0.3}},
-        max_trials=MAX_TRIALS, patience=100, repeats=3, heartbeat_interval=1, grace_period=3)
-    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
-    assert run_cli("submit", str(config), cwd=tmp_path, env=env).returncode == 0
-    worker = subprocess.Popen([sys.executable, "-m", "autotune", "worker", "--exit-when-idle", "--poll", "0.2",
-                               "--allow", "resume_workload:*", "--allow", "worker_workload:*"], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    evaluation = {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 0.3}}
+    return log, resume_workload.write_config(tmp_path, name, evaluation, max_trials=MAX_TRIALS, patience=100,
+                                             repeats=3, heartbeat_interval=1, grace_period=3)
+
+
+def cut_off_mid_search(process: subprocess.Popen, log: Path, server: str, url: str) -> str:
+    """Once the process has evaluated some plans, its database refuses every connection for 3 s; its output."""
     deadline = time.monotonic() + 120
     while len(logged_calls(log)) < 3:   # the baseline and some trials done
-        assert time.monotonic() < deadline and worker.poll() is None, "the worker never got to its trials"
+        assert time.monotonic() < deadline and process.poll() is None, "the process never got to its trials"
         time.sleep(0.05)
-    with refusing_connections(postgres_server, postgres):
+    with refusing_connections(server, url):
         time.sleep(3)
-    output = worker.communicate(timeout=600)[0]
-    assert worker.returncode == 0 and "Traceback" not in output, output
-    assert "the study storage is unreachable" in output and "answers again" in output, output
+    return process.communicate(timeout=600)[0]
 
-    job = JobQueue(open_storage(postgres)).all()[0]
-    assert job.state == "done", job.reason
-    study = optuna.load_study(study_name="outage", storage=postgres)
+
+def assert_each_plan_once_to_the_expected_winner(url: str, name: str) -> None:
+    study = optuna.load_study(study_name=name, storage=url)
     keys = [plan_key(trial_plan(t)) for t in evaluated_trials(study)]
     assert len(keys) == len(set(keys)) and len(keys) >= MAX_TRIALS
     assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
 
 
+def test_a_worker_waits_out_a_database_outage_and_its_job_ends_done(tmp_path, postgres_server, postgres):
+    log, config = outage_config(tmp_path, "outage")
+    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
+    assert run_cli("submit", str(config), cwd=tmp_path, env=env).returncode == 0
+    worker = subprocess.Popen([sys.executable, "-m", "autotune", "worker", "--exit-when-idle", "--poll", "0.2",
+                               "--allow", "resume_workload:*", "--allow", "worker_workload:*"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = cut_off_mid_search(worker, log, postgres_server, postgres)
+    assert worker.returncode == 0 and "Traceback" not in output, output
+    assert "the study storage is unreachable" in output and "answers again" in output, output
+    job = JobQueue(open_storage(postgres)).all()[0]
+    assert job.state == "done", job.reason
+    assert_each_plan_once_to_the_expected_winner(postgres, "outage")
+
+
 def test_a_tuning_run_that_loses_its_database_says_so_in_one_line_and_resumes(tmp_path, postgres_server, postgres):
-    log = tmp_path / "evals.log"
-    config = resume_workload.write_config(
-        tmp_path, "cut", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log),
-                                                                             "delay_s": 0.3}},
-        max_trials=MAX_TRIALS, patience=100, repeats=3, heartbeat_interval=1, grace_period=3)
+    log, config = outage_config(tmp_path, "cut")
     run = subprocess.Popen(tune_command(config, postgres), cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while len(logged_calls(log)) < 3:
-        assert time.monotonic() < deadline and run.poll() is None, "the run never got to its trials"
-        time.sleep(0.05)
-    with refusing_connections(postgres_server, postgres):
-        time.sleep(3)
-    output = run.communicate(timeout=600)[0]
+    output = cut_off_mid_search(run, log, postgres_server, postgres)
     # A trial takes ~0.4 s, so the run queried the database within the 3 s it refused connections.
     assert run.returncode != 0 and "Traceback" not in output, output
     assert "Error: the study storage failed: connection failed" in output and "run the command again" in output
     resumed = subprocess.run(tune_command(config, postgres), cwd=tmp_path, env=cli_env(), capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0 and "resuming after" in resumed.stdout, resumed.stdout + resumed.stderr
-    study = optuna.load_study(study_name="cut", storage=postgres)
-    keys = [plan_key(trial_plan(t)) for t in evaluated_trials(study)]
-    assert len(keys) == len(set(keys)) and len(keys) >= MAX_TRIALS
-    assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
+    assert_each_plan_once_to_the_expected_winner(postgres, "cut")

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import HalfCostMeasurer
 from torch import nn
 
 from autotune import LatencyInput, MixedPrecisionConfig, TuningConfig, autotune
@@ -460,6 +461,14 @@ class NormalisesInPlace(nn.Module):
         return self.body(x)
 
 
+class RealErrorsHalfCost(HalfCostMeasurer):
+    """The per-module output errors measured on the model's recorded inputs; every lowered module at half its fp32
+    time (int8 stays a candidate of every module, however fast this machine runs it)."""
+
+    def sensitivity(self, fp32, candidates, inputs, calibration):
+        return module_sensitivity(fp32, candidates, inputs, calibration)
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_a_model_changing_its_input_in_place_is_tuned_on_inputs_as_recorded(storage, caplog, given):
     """Replayed as they were, the recorded inputs drifted call by call (to inf here): every module lowered was
@@ -477,11 +486,10 @@ def test_a_model_changing_its_input_in_place_is_tuned_on_inputs_as_recorded(stor
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
                           loss_kind="absolute", engines=["eager"], max_trials=4, repeats=3, storage=storage)
     with caplog.at_level(logging.INFO, logger="autotune"):
-        result = autotune(model, config, eval_fn, example)
+        result = autotune(model, config, eval_fn, example, measurer=RealErrorsHalfCost(["body.0", "body.2", "body.4"]))
     assert "the model changes the tensors it is called with in place" in caplog.text
     lost = result.study.user_attrs["autotune.sensitivity"]
-    int8_errors = [errors["int8"] for errors in lost.values() if "int8" in errors]
-    assert int8_errors and max(int8_errors) < 1.0, lost    # finite: measured on the inputs as recorded
+    assert max(errors["int8"] for errors in lost.values()) < 1.0, lost    # finite: measured on the inputs as recorded
     assert any(t.user_attrs.get("evaluated") and "int8" in t.user_attrs["plan"].values() for t in result.study.trials)
     if given:
         assert torch.equal(example, data)

@@ -279,7 +279,7 @@ def _not_built(runner: TrialRunner, engine: Engine, timeout: BuildDeadline) -> s
 
 
 def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
-              cache: CompileCache, timeout: BuildDeadline | None = None) -> dict[str, Finalist]:
+              cache: CompileCache, timeout: BuildDeadline) -> dict[str, Finalist]:
     """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
     out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
     ENGINE_TRIES failures or all of them, the engine cannot run this model. A compiling engine (`suffix`) that has
@@ -293,15 +293,14 @@ def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: Trial
     for count, (name, plan) in enumerate(plans.items()):
         if not built and len(failures) == ENGINE_TRIES:
             break
-        if suffix and built and timeout is not None and timeout.reached():
+        if suffix and built and timeout.reached():
             log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(), len(plans) - count,
                         engine.name)
             break
         try:
             built[name + suffix] = _ready(engine, plan, runner, calibration, cache, name=name + suffix,
                                           compiling=timeout if suffix else None)
-            if timeout is not None:
-                timeout.note(built[name + suffix])
+            timeout.note(built[name + suffix])
         except CompileTimedOut as exc:
             if not built:
                 raise
@@ -366,8 +365,9 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
     the run's `timeout`; a knob the model's tool or the engine then cannot handle is left out with its reason
     logged."""
     found: dict[str, Finalist] = {}
+    compiling = timeout if engine.name != "eager" else None    # the eager engine's knobs compile nothing
     for count, knob in enumerate(KNOBS[name] for name in knobs):
-        if timeout.reached():
+        if compiling is not None and compiling.reached():
             log.warning("%s: %s is not tried with %s in the %s engine", timeout.why(), ", ".join(knobs[count:]),
                         base[0], engine.name)
             break
@@ -376,7 +376,7 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
         try:
             name = f"{base[0]} +{knob.name}"
             found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,), name=name,
-                                 compiling=timeout if engine.name != "eager" else None)
+                                 compiling=compiling)
             timeout.note(found[name])
         except CompileTimedOut as exc:
             log.warning("%s is left out: %s", name, exc)
