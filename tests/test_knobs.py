@@ -52,6 +52,28 @@ def test_a_knob_keeps_the_numerics_and_leaves_the_given_model_alone(name):
         assert changed.get_submodule("0").weight.is_contiguous(memory_format=torch.channels_last)
 
 
+class Conv2dAndConv3d(nn.Module):
+    """A video net's 2-d stem and 3-d head: 5-d weights beside the 4-d ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, 4, 3), nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.stem(x).unsqueeze(2))
+
+
+def test_channels_last_lays_out_the_4d_weights_of_a_model_that_also_holds_5d_ones():
+    """Module.to(memory_format=channels_last) raised "required rank 4 tensor" on the 5-d weights, once per engine."""
+    torch.manual_seed(0)
+    model = Conv2dAndConv3d().eval()
+    changed = KNOBS["channels_last"].apply(model)
+    with torch.no_grad():
+        assert torch.allclose(changed(X), model(X), atol=1e-5)
+    assert changed.stem.weight.is_contiguous(memory_format=torch.channels_last)
+    assert changed.head.weight.dim() == 5 and model.stem.weight.is_contiguous()
+
+
 def test_fold_bn_is_not_tried_where_the_engine_folds_batchnorms_itself():
     from autotune.engines import Calibration, realise
 

@@ -59,7 +59,13 @@ class ChannelsLast:
         return None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        return clone(model).to(memory_format=torch.channels_last)
+        # Each 4-d tensor only: Module.to(memory_format=) takes 5-d ones too and fails on them ("required rank 4
+        # tensor"; a Conv3d's weights, a capsule net's routing weights beside its Conv2d).
+        changed = clone(model)
+        for tensor in (*changed.parameters(), *changed.buffers()):
+            if tensor.dim() == 4:
+                tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+        return changed
 
 
 @dataclass(frozen=True)
