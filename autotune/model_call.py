@@ -121,11 +121,8 @@ def snapshot(leaf: Any) -> Any:
 
 
 def holds_state(inputs: CallInputs) -> bool:
-    """Whether a call may change recorded inputs: they hold an object a call changes (a KV cache), or tensors the
-    model changes in place (`ModelCall.changes_inputs`). Each call then gets its own copies (`fresh`), so every call
-    computes what the recorded one did, not on what earlier calls left."""
-    if getattr(inputs, "changes_inputs", False):
-        return True
+    """Whether recorded inputs hold an object a call may change (a KV cache): each call then gets its own copy
+    (`fresh`), so every call computes what the recorded one did, not on what earlier calls left."""
     found: list[Any] = []
     map_tensors(inputs, lambda t: t, lambda leaf: found.append(leaf) if _is_state(leaf) else None)
     return bool(found)
@@ -136,11 +133,17 @@ def holds_state(inputs: CallInputs) -> bool:
 STATE_DTYPE = "autotune_state_dtype"
 
 
+def copied_for_each_call(inputs: CallInputs) -> bool:
+    """Whether each call on recorded inputs gets copies of them (`fresh`): they hold state (`holds_state`), or
+    tensors the model changes in place (`ModelCall.changes_inputs`)."""
+    return getattr(inputs, "changes_inputs", False) or holds_state(inputs)
+
+
 def fresh(inputs: CallInputs, state_dtype: torch.dtype | None = None) -> CallInputs:
     """`inputs` for one call: as they are, or with copies of the state objects in them (`holds_state`), their fp32
     tensors and dtype attributes converted to `state_dtype` where given, and copies of their tensors where the model
     changes them in place."""
-    if not holds_state(inputs):
+    if not copied_for_each_call(inputs):
         return inputs
     copied = (lambda t: t.clone()) if getattr(inputs, "changes_inputs", False) else (lambda t: t)
     return map_tensors(inputs, copied, lambda leaf: _converted_copy(leaf, state_dtype))

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils import benchmark
 
 from autotune.backends.base import CallInputs
-from autotune.model_call import call, entries_of, holds_state
+from autotune.model_call import call, copied_for_each_call, entries_of
 
 MIN_ROUNDS = 3
 PRECISION = 0.03      # a ratio known to ±3 % (median notch) needs no more rounds
@@ -163,8 +163,9 @@ def _timers(models: dict[str, nn.Module], per_model: dict[str, CallInputs], thre
 def _timer(model: nn.Module, inputs: CallInputs, threads: int, name: str) -> benchmark.Timer:
     """Calls on the inputs as they are, or through `call`, which gives each call its own copy of the state in them
     (a KV cache the model appends to: timed on a cache grown by every earlier call, a model ran slower each call)
-    and makes the submodule calls recorded before it (generate's encoder run, autotune.model_call)."""
-    if holds_state(inputs) or entries_of(inputs):
+    and of the tensors a model changes in place, and makes the submodule calls recorded before it (generate's
+    encoder run, autotune.model_call)."""
+    if copied_for_each_call(inputs) or entries_of(inputs):
         return benchmark.Timer("call(model, inputs)", num_threads=threads, description=name,
                                globals={"call": call, "model": model, "inputs": inputs})
     return benchmark.Timer("model(*args, **kwargs)", num_threads=threads, description=name,
