@@ -700,6 +700,31 @@ def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_the_longe
     assert "more finalists of the compiled engine are not built" in caplog.text
 
 
+def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_any_builds_its_second(
+        tmp_path, caplog, monkeypatch):
+    """One engine at a time, a BEiT's pt2e finalists took its 240 s timeout and the inductor engine (plain
+    torch.compile among its plans) built none. Here the timeout is reached once two finalists have compiled."""
+    from autotune.search import finalists as finals
+    ready, compiled = finals._ready, []
+
+    def counted(*args, **kwargs):
+        finalist = ready(*args, **kwargs)
+        if finalist.runnable is not finalist.built:
+            compiled.append(kwargs["name"])
+        return finalist
+
+    monkeypatch.setattr(finals, "_ready", counted)
+    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self: len(compiled) >= 2)
+    model, x = mlp(), batches(1)[0][0][0]
+    settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=900)
+    with caplog.at_level("WARNING", logger="autotune"):
+        result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
+    assert [name.rsplit(" ", 1)[1] for name in compiled] == ["(compiled)", "(inductor)"]
+    assert "autotune.engines_dropped" not in result.study.user_attrs
+    assert "more finalists of the compiled engine are not built" in caplog.text
+    assert "more finalists of the inductor engine are not built" in caplog.text
+
+
 def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path, caplog, monkeypatch):
     """RWKV's first pt2e finalist compiled silently for 13 minutes past a 240 s timeout: a compile's length cannot
     be known before it ends, so the one running at the timeout is stopped. Here every compile would take 10 min,

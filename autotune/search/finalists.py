@@ -206,15 +206,14 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
     with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
     `timeout`, time.monotonic()), or too near it (BuildDeadline), a compiling engine builds no further finalist:
-    compiles take minutes on a model of hundreds of modules, and the eager engine's finalists, which compile
-    nothing, are built first."""
+    compiles take minutes on a model of hundreds of modules. The engines build a finalist each in turn
+    (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
     timeout = BuildDeadline(deadline)
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     compiling = any(engine != "eager" for engine in runner.config.engines)
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
                                    studies.built_from(runner.study, runner.batches))
     cache.load_compiler_artefacts()
-    found: dict[str, Finalist] = {}
     latency = studies.get_attr(runner.study, "module_latency_ms")
     candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
     paying = uniform_finalists(candidates, latency)
@@ -223,33 +222,22 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     every = _without_far_misses(runner, {**paying, **_own_int8(candidates, paying)})
     uniform = {dtype: plan for dtype, plan in every.items() if dtype in paying}
     knobs = _knobs_to_try(runner, candidates, latency)
-    failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     dropped: dict[str, str] = {}
-    for engine_name in runner.config.engines:
-        engine = get_engine(engine_name)
-        suffix = "" if engine_name == "eager" else f" ({engine_name})"
-        if suffix and (reason := _not_built(runner, engine, timeout)):
-            dropped[engine_name] = reason
-            studies.set_attr(runner.study, "engines_dropped", dropped)
-            continue
-        plans = finalist_plans(runner, engine, uniform if _builds_as_trials(engine) else every)
-        if suffix and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
-            plans["fp32"] = fp32
-        try:
-            built = _settled(_built_in(engine, plans, suffix, runner, calibration, cache, timeout), runner)
-            found.update(built)
-            engine_knobs = [name for name in knobs if KNOBS[name].engines is None or engine_name in KNOBS[name].engines]
+    builds = [_EngineBuilds(engine, _engine_plans(runner, engine, uniform, every), dropped)
+              for engine in map(get_engine, runner.config.engines)]
+    _build_in_turns(builds, runner, calibration, cache, timeout)
+    found: dict[str, Finalist] = {}
+    failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
+    for build in builds:
+        if build.built:
+            found.update(built := _settled(build.built, runner))
+            engine_knobs = [name for name in knobs
+                            if KNOBS[name].engines is None or build.engine.name in KNOBS[name].engines]
             if engine_knobs and built:
-                found.update(_with_knobs(engine, engine_knobs, _knob_base(built, runner), runner, cache,
+                found.update(_with_knobs(build.engine, engine_knobs, _knob_base(built, runner), runner, cache,
                                          failed_knobs, timeout))
-        except CompileTimedOut as exc:
-            log.warning("the %s engine is not used: %s", engine_name, exc)
-            dropped[engine_name] = str(exc)
-            studies.set_attr(runner.study, "engines_dropped", dropped)
-        except EngineUnavailable as exc:
-            log.warning("the %s engine cannot run this model, so it is not used: %s", engine_name, exc)
-            dropped[engine_name] = str(exc)
-            studies.set_attr(runner.study, "engines_dropped", dropped)
+    if dropped:
+        studies.set_attr(runner.study, "engines_dropped", dropped)
     found = _settled(found, runner)
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
@@ -278,41 +266,81 @@ def _not_built(runner: TrialRunner, engine: Engine, timeout: BuildDeadline) -> s
     return reason
 
 
-def _built_in(engine: Engine, plans: dict[str, Plan], suffix: str, runner: TrialRunner, calibration: Calibration,
-              cache: CompileCache, timeout: BuildDeadline) -> dict[str, Finalist]:
-    """Each of `plans` ready in `engine`, named with `suffix`. Where some plan was built, one that failed is left
-    out with its reason logged (a part of the model the engine mishandles in that plan only); where none was, after
-    ENGINE_TRIES failures or all of them, the engine cannot run this model. A compiling engine (`suffix`) that has
-    built one stops at the run's `timeout`.
+def _engine_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan], every: dict[str, Plan]
+                  ) -> dict[str, Plan]:
+    """`engine`'s finalist plans, fastest first, and fp32 in every engine but eager (the reference): an engine can
+    make fp32 itself faster."""
+    plans = finalist_plans(runner, engine, uniform if _builds_as_trials(engine) else every)
+    if engine.name != "eager" and engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is None:
+        plans["fp32"] = fp32
+    return plans
 
-    Raises:
-        EngineUnavailable: the first failure's reason, when the engine is given up.
-    """
-    built: dict[str, Finalist] = {}
-    failures: list[tuple[str, EngineUnavailable]] = []
-    for count, (name, plan) in enumerate(plans.items()):
-        if not built and len(failures) == ENGINE_TRIES:
-            break
-        if suffix and built and timeout.reached():
-            log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(), len(plans) - count,
-                        engine.name)
-            break
+
+class _EngineBuilds:
+    """One engine's finalist plans, built one at a time (`step`). Where some plan was built, one that failed is
+    left out with its reason logged (a part of the model the engine mishandles in that plan only); where none was,
+    after ENGINE_TRIES failures or all of them, the engine cannot run this model, and is dropped with the first
+    failure's reason (into `dropped`, {engine: reason}). A compiling engine that has built one stops at the run's
+    `timeout`."""
+
+    def __init__(self, engine: Engine, plans: dict[str, Plan], dropped: dict[str, str]):
+        self.engine, self.dropped = engine, dropped
+        self.suffix = "" if engine.name == "eager" else f" ({engine.name})"
+        self.waiting = list(plans.items())
+        self.built: dict[str, Finalist] = {}
+        self.failures: list[tuple[str, EngineUnavailable]] = []
+
+    def step(self, runner: TrialRunner, calibration: Calibration, cache: CompileCache, timeout: BuildDeadline) -> bool:
+        """Builds the next plan; whether there is one more to build."""
+        first = not self.built and not self.failures
+        if self.suffix and first and (reason := _not_built(runner, self.engine, timeout)):
+            return self._drop(reason)
+        if not self.waiting:
+            return False
+        if self.suffix and self.built and timeout.reached():
+            log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(), len(self.waiting),
+                        self.engine.name)
+            return self._finish()
+        name, plan = self.waiting.pop(0)
+        name += self.suffix
         try:
-            built[name + suffix] = _ready(engine, plan, runner, calibration, cache, name=name + suffix,
-                                          compiling=timeout if suffix else None)
-            timeout.note(built[name + suffix])
+            self.built[name] = _ready(self.engine, plan, runner, calibration, cache, name=name,
+                                      compiling=timeout if self.suffix else None)
+            timeout.note(self.built[name])
         except CompileTimedOut as exc:
-            if not built:
-                raise
-            log.warning("%s is left out: %s", name + suffix, exc)
-            break
+            if not self.built:
+                log.warning("the %s engine is not used: %s", self.engine.name, exc)
+                return self._drop(str(exc))
+            log.warning("%s is left out: %s", name, exc)
+            return self._finish()
         except EngineUnavailable as exc:
-            failures.append((name + suffix, exc))
-    if failures and not built:
-        raise failures[0][1] from None
-    for name, exc in failures:
-        log.warning("%s is left out: %s", name, exc)
-    return built
+            self.failures.append((name, exc))
+        if not self.built and (len(self.failures) == ENGINE_TRIES or not self.waiting):
+            log.warning("the %s engine cannot run this model, so it is not used: %s", self.engine.name,
+                        self.failures[0][1])
+            return self._drop(str(self.failures[0][1]))
+        return bool(self.waiting) or self._finish()
+
+    def _drop(self, reason: str) -> bool:
+        self.dropped[self.engine.name] = reason
+        self.waiting.clear()
+        return False
+
+    def _finish(self) -> bool:
+        for name, exc in self.failures:
+            log.warning("%s is left out: %s", name, exc)
+        self.waiting.clear()
+        return False
+
+
+def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
+                    timeout: BuildDeadline) -> None:
+    """Every engine's finalists, a plan of each engine in turn: with a timeout, every engine then builds its first
+    before any builds its second (one engine at a time, a BEiT's pt2e finalists took its 240 s timeout, and the
+    inductor engine, plain torch.compile among its plans, built none)."""
+    building = list(builds)
+    while building:
+        building = [build for build in building if build.step(runner, calibration, cache, timeout)]
 
 
 def _knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
