@@ -12,6 +12,7 @@ import functools
 from collections import OrderedDict
 from typing import Any
 
+import torch
 from torch import nn
 
 _EMPTY_CONTAINERS = (dict, OrderedDict, set)
@@ -44,6 +45,11 @@ def copy_module_state(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             state[key] = kind()
         elif key in _SHARED_HOOKS:
             state[key] = kind((handle, _hook_copy(hook, memo)) for handle, hook in value.items())
+        elif isinstance(value, torch.Tensor) and not value.is_leaf:
+            # computed with autograd on, which deepcopy refuses: the weight a prune or weight_norm hook sets from its
+            # parts (`weight_orig * weight_mask`) after a forward with gradients, or right after prune.l1_unstructured.
+            # The hook computes it again at each call; the copy holds its value.
+            state[key] = memo[id(value)] = value.detach().clone()
         elif key != "_compiled_call_impl":   # dropped by Module.__getstate__ too
             state[key] = copy.deepcopy(value, memo)
     copied.__dict__.update(state)

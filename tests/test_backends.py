@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import Conv1D, needs_cuda
 from torch import nn
+from torch.nn.utils import prune
 
 from autotune.backends import get_backend
 from autotune.backends.quantized import has_avx512_vnni
@@ -330,6 +331,20 @@ def test_the_old_weight_norm_hook_is_folded_into_the_int8_weight_not_carried():
         module = nn.utils.weight_norm(nn.Linear(8, 16)).eval()
     x = torch.randn(4, 8)
     lowered = get_backend("int8").apply(module, None)
+    with torch.inference_mode():
+        assert relative_error(lowered(x), module(x)) < 5e-2
+
+
+@pytest.mark.parametrize("make, shape", [(lambda: nn.Linear(16, 32), (4, 16)),
+                                         (lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 10))])
+def test_a_prune_hook_is_folded_into_the_int8_weight_not_carried(make, shape):
+    """torch.nn.utils.prune's pre-hook sets `weight` from `weight_orig * weight_mask`: carried onto the int8 module,
+    which holds neither, it failed every call with "'StaticInt8Conv2d' object has no attribute 'weight_mask'"."""
+    torch.manual_seed(0)
+    module = prune.l1_unstructured(make().eval(), "weight", amount=0.5)
+    x = torch.randn(*shape)
+    lowered = get_backend("int8").apply(module, ((x,), {}))
+    assert not lowered._forward_pre_hooks
     with torch.inference_mode():
         assert relative_error(lowered(x), module(x)) < 5e-2
 

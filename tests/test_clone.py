@@ -3,6 +3,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from autotune.clone import clone
 
@@ -84,3 +85,20 @@ def test_a_copy_runs_the_users_hook_objects_themselves_and_its_own_methods_rebou
         twin(torch.randn(2, 4))
     assert len(save.outputs) == 1            # the user's collector, not a copy of it, got the copy's call
     assert twin[1].calls == 1 and model[1].calls == 0    # the module's own hook counted on the copy
+
+
+def test_a_weight_computed_with_autograd_on_is_copied_by_its_value():
+    """Right after `prune.l1_unstructured` (or a forward with gradients) the pruned module's `weight` is a tensor
+    computed from `weight_orig * weight_mask`, which deepcopy refuses ("Only Tensors created explicitly by the
+    user (graph leaves) support the deepcopy protocol"): autotune failed on such a model before its first call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    assert not model[0].weight.is_leaf
+    twin = clone(model)
+    assert twin[0].weight.is_leaf and torch.equal(twin[0].weight, model[0].weight)
+    twin[0].weight_mask.fill_(0.0)   # its prune hook recomputes the weight from the copy's own parts
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        assert torch.equal(twin(x), model[2](torch.relu(torch.zeros(3, 8) + model[0].bias)))
+        assert not torch.equal(model(x), twin(x))

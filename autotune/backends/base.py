@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
@@ -50,10 +51,11 @@ class Technique:
 
 def forward_hooks(module: nn.Module, kind: str) -> dict[int, Any]:
     """The forward hooks (`kind` "") or pre-hooks ("_pre") on `module` by handle id, but torch's own weight_norm /
-    spectral_norm ones, which recompute a weight that lowered modules fold in. torch lists a module's hooks only in
-    its attributes; where they are missing (another torch), none are found."""
+    spectral_norm / prune ones, which recompute a weight that lowered modules fold in (a prune hook carried over
+    looked for `weight_mask` on the int8 module and failed the run). torch lists a module's hooks only in its
+    attributes; where they are missing (another torch), none are found."""
     return {key: hook for key, hook in (getattr(module, f"_forward{kind}_hooks", None) or {}).items()
-            if not isinstance(hook, (WeightNorm, SpectralNorm))}
+            if not isinstance(hook, (WeightNorm, SpectralNorm, BasePruningMethod))}
 
 
 def carry_forward_hooks(module: nn.Module, lowered: nn.Module) -> None:
