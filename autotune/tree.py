@@ -15,10 +15,13 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "remapped"):   # model_call.ModelCall: it walks its own parts
         return value.remapped(lambda part: map_tensors(part, fn, other))
+    # Lists, not generators, for the containers: dynamo cannot rebuild a namedtuple from a generator
+    # ("'LocalGeneratorObjectVariable' object has no attribute 'remaining_items'"), and a bf16 LSTM fed a
+    # PackedSequence maps its input inside the compiled engines' graphs.
     if isinstance(value, tuple) and hasattr(value, "_make"):   # a namedtuple, e.g. an RNN's PackedSequence
-        return value._make(map_tensors(item, fn, other) for item in value)
+        return value._make([map_tensors(item, fn, other) for item in value])
     if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(item, fn, other) for item in value)
+        return type(value)([map_tensors(item, fn, other) for item in value])
     if isinstance(value, dict):
         return type(value)({key: map_tensors(item, fn, other) for key, item in value.items()})
     if isinstance(value, UserDict):   # transformers' BatchEncoding: what sentence-transformers' models take and return

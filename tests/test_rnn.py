@@ -133,3 +133,17 @@ def test_an_rnn_model_is_tuned_by_default_on_packed_sequences(kind, storage):
     latency = studies.get_attr(result.study, "module_latency_ms")
     assert {"fp32", "int8", "bf16"} <= set(latency["rnn"]) and "rnn" in result.plan
     assert 1 - fidelity(result.model) <= 0.05
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_lowered_rnn_fed_packed_sequences_runs_compiled(dtype):
+    """The inductor engine compiles the eager plan: a bf16 LSTM rebuilt its PackedSequence input from a generator,
+    which dynamo cannot do ("'LocalGeneratorObjectVariable' object has no attribute 'remaining_items'"), and the
+    engine was dropped for every model whose RNN takes one."""
+    torch.manual_seed(0)
+    model = Tagger(nn.LSTM).eval()
+    model.rnn = get_backend(dtype).apply(model.rnn, None)
+    tokens, lengths = torch.randint(0, 100, (4, 9)), torch.tensor([9, 5, 3, 2])
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert torch.allclose(compiled(tokens, lengths), model(tokens, lengths), atol=1e-6)
