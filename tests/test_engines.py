@@ -674,9 +674,11 @@ def test_past_the_runs_timeout_no_compiling_engine_builds_another_finalist(tmp_p
     assert result.engine == "eager"
 
 
-def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_the_longest_compile_so_far(
+def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_its_engines_longest_compile_so_far(
         tmp_path, caplog, monkeypatch):
-    """A compile begun just before the timeout ended minutes past it (a Funnel transformer's, 138 s past 240 s)."""
+    """A compile begun just before the timeout ended minutes past it (a Funnel transformer's, 138 s past 240 s).
+    Another engine's compile says little of the next one's (a neural ODE's pt2e finalist compiled in 138 s, plain
+    torch.compile of it in 23 s), so each engine still builds its first."""
     from autotune.search import finalists as finals
     ready = finals._ready
 
@@ -691,13 +693,11 @@ def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_the_longe
     settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=900)
     with caplog.at_level("WARNING", logger="autotune"):
         result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
-    compiled = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(" in name]
-    assert len(compiled) == 1 and compiled[0].endswith("(compiled)")    # the first, then none
-    dropped = result.study.user_attrs["autotune.engines_dropped"]
-    assert list(dropped) == ["inductor"] and re.fullmatch(
-        r"the run's timeout is nearer than the longest compile so far \(10\d\d s\), so its finalists were not built",
-        dropped["inductor"])
-    assert "more finalists of the compiled engine are not built" in caplog.text
+    compiled = [name.rsplit(" ", 1)[1] for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(" in name]
+    assert compiled == ["(compiled)", "(inductor)"]    # the first of each, then none
+    for engine in ("compiled", "inductor"):
+        assert re.search(rf"the run's timeout is nearer than the {engine} engine's longest compile so far "
+                         rf"\(10\d\d s\): \d+ more finalists of the {engine} engine are not built", caplog.text)
 
 
 def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_any_builds_its_second(
@@ -714,7 +714,7 @@ def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_
         return finalist
 
     monkeypatch.setattr(finals, "_ready", counted)
-    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self: len(compiled) >= 2)
+    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self, engine: len(compiled) >= 2)
     model, x = mlp(), batches(1)[0][0][0]
     settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=900)
     with caplog.at_level("WARNING", logger="autotune"):
@@ -740,7 +740,7 @@ def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path,
         return built_and_called(engine, *args, **kwargs)
 
     monkeypatch.setattr(finals, "_built_and_called", endless)
-    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self: False)
+    monkeypatch.setattr(finals.BuildDeadline, "reached", lambda self, engine: False)
     model, x = mlp(), batches(1)[0][0][0]
     started = time.monotonic()
     with caplog.at_level("INFO", logger="autotune"):

@@ -170,8 +170,10 @@ class TuningConfig(ConfigModel):
                             "calls more, or one per finalist that misses)")
     patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
     timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it, no compiling "
-                                  "engine starts another finalist after it or where it is nearer than the longest "
-                                  "compile so far, and a compile still running at it is stopped")
+                                  "engine starts another finalist after it or where it is nearer than that engine's "
+                                  "longest compile so far, and a compile still running at it is stopped (the "
+                                  "baseline and module timings before the search, and the winner's timing and "
+                                  "verification after it, are not cut short)")
     trial_timeout: float | None = Field(None, gt=0, description="seconds one eval_fn call may take; past it the "
                                         "trial fails and the search goes on")
     engines: list[Literal[ENGINE_NAMES]] = Field(
