@@ -279,7 +279,11 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
 def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | None] | None = None) -> str:
     """Runs trials until the budget (max_trials, timeout, patience) is spent, all processes sharing it, or
     `should_stop` gives a reason. Returns why the search stopped."""
-    reason = run_search(runner, runner.config, started + (runner.config.timeout or math.inf), should_stop)
+    timeout, setup_s = runner.config.timeout, time.monotonic() - started
+    if timeout is not None and setup_s >= timeout:   # the baseline and the per-module signals are not cut short
+        log.warning("the run's timeout (%g s) passed before the search began: the baseline and the per-module "
+                    "timings took %.0f s, so this run tries no plan; a longer timeout lets it", timeout, setup_s)
+    reason = run_search(runner, runner.config, started + (timeout or math.inf), should_stop)
     log.info("search stopped: %s", reason)
     runner.run_the_rest(should_stop)   # plans re-queued after a crash are retried even when the budget is spent
     return reason

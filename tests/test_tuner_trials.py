@@ -283,3 +283,18 @@ def test_the_users_forward_hooks_still_run_in_the_tuned_model_on_modules_it_lowe
     with torch.inference_mode():
         result.model(INPUTS)
     assert collected == [(512, 1024)]
+
+
+def test_a_timeout_spent_before_the_search_began_is_said_as_a_warning(storage, caplog):
+    """The baseline and the per-module timings are not cut short by `timeout`: where they take all of it, the run
+    tried no plan, and said so only as "search stopped: timeout reached" at INFO (a ConvBERT under load: 251 s of
+    signals, timeout 240, 0 trials)."""
+    model = wide_model()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.05, max_trials=8, repeats=3, timeout=0.01, storage=storage)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(model, config, fidelity_eval(model), example_inputs=INPUTS)
+    assert not [t for t in result.study.trials if t.user_attrs.get("evaluated")]
+    said = [r.getMessage() for r in caplog.records if "passed before the search began" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the run's timeout (0.01 s) passed before the search began: the "
+                                                 "baseline and the per-module timings took ")
