@@ -9,8 +9,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from autotune.backends.base import CallInputs
+from autotune.clone import clone
 from autotune.errors import AutotuneError
 from autotune.plan import Plan
 
@@ -89,6 +91,38 @@ def hooks_on_it_unsaved(model: nn.Module) -> str | None:
     if isinstance(model, torch.fx.GraphModule):
         return "the model is a torch.fx GraphModule, and torch.save of one drops the hooks this sets on it"
     return None
+
+
+PARAMETRIZATIONS_MODULE = "torch.nn.utils.parametrizations"
+
+
+def save_module(built: nn.Module, path: str) -> None:
+    """torch.save of `built`. torch.save refuses a module with parametrizations ("Serialization of parametrized
+    modules is only supported through state_dict()": weight_norm's in Wav2Vec2's positional convolution, a user's
+    orthogonal Linear), so such modules are saved holding what each parametrization computes, as a plain parameter
+    (remove_parametrizations, leave_parametrized=True): the same outputs, with nothing recomputed per call."""
+    if any(map(_parametrized, built.modules())):
+        built = clone(built)
+        for module in list(filter(_parametrized, built.modules())):
+            # A class of its own first: removing a parametrization edits the module's class, which copies share
+            # with the module copied (built would lose its `weight`).
+            cls = type(module)
+            module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+            for name in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            # weight_norm's hook reading old checkpoints' keys into its parametrization, gone now (and a local
+            # function, which pickle refuses)
+            hooks = getattr(module, "_load_state_dict_pre_hooks", {})
+            for key in [key for key, hook in hooks.items()
+                        if getattr(getattr(hook, "hook", hook), "__module__", None) == PARAMETRIZATIONS_MODULE]:
+                del hooks[key]
+    torch.save(built, path)
+
+
+def _parametrized(module: nn.Module) -> bool:
+    """Whether `module` itself holds parametrizations; a wrapper reading its attributes from the module it wraps
+    (backends.cast.CastWrapper) passes parametrize.is_parametrized too."""
+    return parametrize.is_parametrized(module) and "parametrizations" in dict(module.named_children())
 
 
 def compile_runnable(built: nn.Module) -> nn.Module:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.engines.base import Calibration
+from autotune.engines.base import Calibration, save_module
 from autotune.plan import Plan, apply_plan
 
 
@@ -26,7 +26,7 @@ class EagerEngine:
         return built
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
-        torch.save(built, path)
+        save_module(built, path)
         return "torch.load(path, weights_only=False), where autotune is importable (it holds autotune's modules)"
 
     def load(self, path: str) -> nn.Module:

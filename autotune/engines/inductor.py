@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.engines.base import compile_runnable, how_to_compile
+from autotune.engines.base import compile_runnable, how_to_compile, save_module
 from autotune.engines.eager import EagerEngine
 
 
@@ -21,5 +20,5 @@ class InductorEngine(EagerEngine):
         return compile_runnable(built)
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
-        torch.save(built, path)
+        save_module(built, path)
         return how_to_compile("torch.load(path, weights_only=False)", built) + ", where autotune is importable"

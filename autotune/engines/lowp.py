@@ -14,7 +14,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
-from autotune.engines.base import Calibration, compile_runnable, hooks_on_it_unsaved, how_to_compile
+from autotune.engines.base import Calibration, compile_runnable, hooks_on_it_unsaved, how_to_compile, save_module
 from autotune.model_call import STATE_DTYPE, entry_paths
 from autotune.plan import Plan
 from autotune.tree import map_tensors
@@ -76,7 +76,7 @@ class LowPrecisionEngine:
         return compile_runnable(built)
 
     def save(self, built: nn.Module, inputs: CallInputs, path: str) -> str:
-        torch.save(built, path)
+        save_module(built, path)
         return how_to_compile("torch.load(path, weights_only=False)", built) + ", where autotune is importable"
 
     def load(self, path: str) -> nn.Module:
