@@ -297,9 +297,11 @@ class _EngineBuilds:
 
     def step(self, runner: TrialRunner, calibration: Calibration, cache: CompileCache, timeout: BuildDeadline) -> bool:
         """Builds the next plan; whether there is one more to build."""
-        first = not self.built and not self.failures
-        if self.suffix and first and (reason := _not_built(runner, self.engine, timeout)):
-            return self._drop(reason)
+        if self.suffix and not self.built:
+            if not self.failures and (reason := _not_built(runner, self.engine, timeout)):
+                return self._drop(reason)
+            if self.failures and timeout.reached(self.engine.name):
+                return self._given_up()
         if not self.waiting:
             return False
         if self.suffix and self.built and timeout.reached(self.engine.name):
@@ -313,18 +315,23 @@ class _EngineBuilds:
                                       compiling=timeout if self.suffix else None)
             timeout.note(self.built[name])
         except CompileTimedOut as exc:
-            if not self.built:
-                log.warning("the %s engine is not used: %s", self.engine.name, exc)
-                return self._drop(str(exc))
-            log.warning("%s is left out: %s", name, exc)
-            return self._finish()
+            if self.built:
+                log.warning("%s is left out: %s", name, exc)
+                return self._finish()
+            if self.failures:   # what the engine failed on says more than the timeout
+                return self._given_up()
+            log.warning("the %s engine is not used: %s", self.engine.name, exc)
+            return self._drop(str(exc))
         except EngineUnavailable as exc:
             self.failures.append((name, exc))
         if not self.built and (len(self.failures) == ENGINE_TRIES or not self.waiting):
-            log.warning("the %s engine cannot run this model, so it is not used: %s", self.engine.name,
-                        self.failures[0][1])
-            return self._drop(str(self.failures[0][1]))
+            return self._given_up()
         return bool(self.waiting) or self._finish()
+
+    def _given_up(self) -> bool:
+        log.warning("the %s engine cannot run this model, so it is not used: %s", self.engine.name,
+                    self.failures[0][1])
+        return self._drop(str(self.failures[0][1]))
 
     def _drop(self, reason: str) -> bool:
         self.dropped[self.engine.name] = reason
