@@ -87,6 +87,19 @@ def test_a_module_beside_the_config_imports_and_one_that_raises_at_import_is_nam
                           "cannot import module 'broken_eval'", "RuntimeError: the dataset server is down")
 
 
+def test_an_eval_fn_named_in_place_of_its_factory_is_said_so(tmp_path, monkeypatch):
+    """evaluation.eval_fn names a factory of kwargs returning eval_fn(model); a user naming eval_fn(model) itself
+    got "agreement() missing 1 required positional argument: 'model'" and no word of what was expected."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_eval.py").write_text("def agreement(model, seed=0):\n    return 1.0\n")
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["evaluation"] = {"eval_fn": "my_eval:agreement", "kwargs": {"seed": 1}}
+    assert_one_error_line(run("tune", str(write_yaml(tmp_path / "c.yaml", data))), 2, "evaluation.eval_fn",
+                          "missing 1 required positional argument: 'model'",
+                          "(evaluation.eval_fn names a factory, called with its kwargs alone, that returns "
+                          "eval_fn(model))")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     result = run("--debug", "list", "--storage", "sqlite:/nope")
     assert result.exit_code != 0 and result.exception is not None

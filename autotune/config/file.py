@@ -94,14 +94,18 @@ class Factory(StrictModel):
         return call_factory(self.factory, self.kwargs, field)
 
 
-def call_factory(factory: str | Callable[..., Any], kwargs: dict[str, Any], field: str) -> Any:
+def call_factory(factory: str | Callable[..., Any], kwargs: dict[str, Any], field: str, makes: str = "") -> Any:
     """Calls the user's factory (a callable, or its import path); its failure becomes a ConfigError naming the
-    field (no traceback in the CLI)."""
+    field (no traceback in the CLI). `makes`: what the factory returns, said where the callable named wants an
+    argument the kwargs do not give (an eval_fn(model) named in place of the factory returning it)."""
     try:
         return (resolve(factory) if isinstance(factory, str) else factory)(**kwargs)
     except Exception as exc:
+        hint = ""
+        if makes and isinstance(exc, TypeError) and "required positional argument" in str(exc):
+            hint = f" ({field} names a factory, called with its kwargs alone, that returns {makes})"
         raise ConfigError(f"{field}: {getattr(factory, '__name__', factory)}(**{kwargs}) raised "
-                          f"{type(exc).__name__}: {exc}", [(field, str(exc))]) from exc
+                          f"{type(exc).__name__}: {exc}{hint}", [(field, str(exc))]) from exc
 
 
 class DatasetFiles(StrictModel):
@@ -175,7 +179,7 @@ class Evaluation(StrictModel):
 
     def build(self) -> Callable[[nn.Module], float]:
         if self.eval_fn is not None:
-            eval_fn = call_factory(self.eval_fn, self.kwargs, "evaluation.eval_fn")
+            eval_fn = call_factory(self.eval_fn, self.kwargs, "evaluation.eval_fn", "eval_fn(model)")
             if not callable(eval_fn):
                 raise ConfigError(f"evaluation.eval_fn: {self.eval_fn} returned {type(eval_fn).__name__}, "
                                   "not an eval_fn(model) -> number", [("evaluation.eval_fn", self.eval_fn)])
@@ -190,7 +194,7 @@ class CalibrationFn(StrictModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def build(self) -> Callable[[nn.Module], Any]:
-        run_fn = call_factory(self.run_fn, self.kwargs, "calibration.run_fn")
+        run_fn = call_factory(self.run_fn, self.kwargs, "calibration.run_fn", "run_fn(model)")
         if not callable(run_fn):
             raise ConfigError(f"calibration.run_fn: {self.run_fn} returned {type(run_fn).__name__}, not a "
                               "run_fn(model)", [("calibration.run_fn", self.run_fn)])
