@@ -771,6 +771,17 @@ def test_past_the_timeout_an_engine_whose_finalist_failed_tries_no_other_and_say
     assert "the compiled engine cannot run this model, so it is not used: compiled: torch.export failed" in caplog.text
 
 
+def test_an_engine_realising_none_of_the_plans_worth_timing_says_so(tmp_path, caplog):
+    """The compiled engine realises int8 and fp32 plans, fp32 only with int8 in it: where nothing else is tuned it
+    was left out with no word."""
+    model, x = mlp(), batches(1)[0][0][0]
+    settings = config(tmp_path, engines=["eager", "compiled"], config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]))
+    with caplog.at_level("INFO", logger="autotune"):
+        result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
+    assert not any("(compiled)" in name for name in result.study.user_attrs["autotune.finalist_setup_s"])
+    assert "the compiled engine builds no finalist: it realises none of the plans worth timing" in caplog.text
+
+
 def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path, caplog, monkeypatch):
     """RWKV's first pt2e finalist compiled silently for 13 minutes past a 240 s timeout: a compile's length cannot
     be known before it ends, so the one running at the timeout is stopped. Here every compile would take 10 min,

@@ -303,6 +303,9 @@ class _EngineBuilds:
             if self.failures and timeout.reached(self.engine.name):
                 return self._given_up()
         if not self.waiting:
+            if not self.built and not self.failures:   # e.g. the compiled engine, where no passing plan holds int8
+                log.info("the %s engine builds no finalist: it realises none of the plans worth timing",
+                         self.engine.name)
             return False
         if self.suffix and self.built and timeout.reached(self.engine.name):
             log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(self.engine.name),
