@@ -169,7 +169,9 @@ class TuningConfig(ConfigModel):
                             "call each; a run also scores the fp32 baseline and re-scores the winner as it runs (2 "
                             "calls more, or one per finalist that misses)")
     patience: int = Field(8, ge=1, description="stop sampling after this many trials without a better passing plan")
-    timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it, no compiling "
+    timeout: float | None = Field(None, gt=0, description="seconds; no new trial starts after it (after three "
+                                  "quarters of it where a compiling engine is configured: the rest is the "
+                                  "finalists' compiles), no compiling "
                                   "engine starts another finalist after it or where it is nearer than that engine's "
                                   "longest compile so far, and a compile still running at it is stopped (the "
                                   "baseline and module timings before the search, and the winner's timing and "

@@ -16,6 +16,7 @@ from autotune.search.guided import GuidedSearch, exhaustive_order
 from autotune.search.trials import TrialRunner, fail_stale_trials
 
 EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
+TIMEOUT_REACHED = "timeout reached"
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Budget:
         if runner.evaluated >= self.max_trials:
             return f"max_trials ({self.max_trials}) evaluated trials reached"
         if time.monotonic() >= self.deadline:
-            return "timeout reached"
+            return TIMEOUT_REACHED
         return self.should_stop() if self.should_stop is not None else None
 
 
