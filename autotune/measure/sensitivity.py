@@ -20,6 +20,8 @@ from autotune.plan import lower_module, replace_module
 from autotune.tree import float_tensors, tensors
 
 log = logging.getLogger("autotune")
+
+
 def _flat_output(output) -> torch.Tensor:
     """The output's float tensors, flattened into one; where it has none, its others (labels, token ids)."""
     floats = float_tensors(output)
