@@ -298,8 +298,6 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
     return reason
 
 
-
-
 @_fewer_collections()
 def finish(runner: TrialRunner, started: float) -> TuningResult:
     """The verified winner of the study, recorded on it as `best`."""

@@ -321,3 +321,23 @@ def test_a_compiled_model_computing_in_half_is_no_twin_of_its_eager_build():
     assert numerics("eager", "fp32") == numerics("inductor", "fp32")
     assert numerics("eager", "bf16") != numerics("inductor", "bf16")
     assert numerics("eager", "fp32", given_in_bf16) != numerics("inductor", "fp32", given_in_bf16)
+
+
+@pytest.mark.parametrize("power", [1.0, 1.5])
+def test_where_no_plan_passes_the_warning_says_the_least_loss_and_whether_losses_came_in_whole_samples(
+        tmp_path, power, caplog):
+    """An accuracy over 20 samples moves by 0.05: each int8 module here costs one sample, beyond a tolerance of
+    0.01. With losses growing unevenly (power 1.5) they are no multiples of one step, and no sample is blamed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.01, max_trials=20, storage=f"sqlite:///{tmp_path}/c.db", study_name="c")
+
+    def eval_fn(m):
+        return 1.0 - 0.05 * sum(dtype == "int8" for dtype in plan_of(m, NAMES).values()) ** power
+
+    result = autotune(model, config, eval_fn, torch.randn(2, 8), measurer=ScriptedMeasurer())
+    assert set(result.plan.values()) == {"fp32"}
+    [warning] = [r.getMessage() for r in caplog.records if "keeping fp32 eager" in r.getMessage()]
+    assert "every plan tried lost at least 0.05 where 0.01 is tolerable" in warning
+    assert ("whole multiple of 0.05" in warning) == (power == 1.0)

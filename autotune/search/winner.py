@@ -15,7 +15,7 @@ from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
-from autotune.plan import Plan, plan_key
+from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, fp32_plan, race
 from autotune.search.scores import score_of
 from autotune.search.trials import TrialRunner
@@ -82,8 +82,24 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
         best = winner
     if best is not None:
         return best
-    log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager")
+    log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager%s",
+                _coarse_losses(runner))
     return _fp32_winner(runner, by_shape)
+
+
+def _coarse_losses(runner: TrialRunner) -> str:
+    """Where no lowered plan passed: the smallest loss any showed, and, where every loss is a whole multiple of it
+    (an accuracy over a few samples moves by one sample's worth), that the eval set may be too small to show a
+    loss within the tolerance. Empty where a plan passed or too few were evaluated to tell."""
+    losses = sorted(outcome.loss for key, outcome in runner.outcomes.items() if not is_baseline(plan_of_key(key)))
+    if not losses or losses[0] <= runner.config.tolerable_loss:
+        return ""
+    least = losses[0]
+    text = f"; every plan tried lost at least {least:.4g} where {runner.config.tolerable_loss:.4g} is tolerable"
+    if len(losses) >= 3 and all(abs(loss / least - round(loss / least)) < 1e-6 for loss in losses):
+        text += (f" and every loss was a whole multiple of {least:.4g}, as where one sample of the eval set weighs "
+                 "that much: a larger eval set shows smaller losses, so that some plan can pass")
+    return text
 
 
 class _Verdicts:
