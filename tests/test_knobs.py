@@ -127,6 +127,30 @@ def test_nothing_that_sets_hooks_on_the_model_itself_is_tried_on_a_graph_module(
     assert LowPrecisionEngine().unsupported(plan, conv_bn()) is None and KNOBS["autocast"].supports(conv_bn()) is None
 
 
+class Branching(nn.Module):
+    """A forward torch.fx cannot trace (it branches on a value, as every transformers model does somewhere) around
+    blocks it can."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.norm_only = conv_bn(), nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)).eval()
+
+    def forward(self, x):
+        out = self.body(x)
+        return self.norm_only(out) if out.sum() > 0 else out
+
+
+def test_fold_bn_folds_within_the_blocks_torch_fx_traces_where_it_cannot_trace_the_whole_model():
+    model = Branching().eval()
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(model)
+    assert KNOBS["fold_bn"].supports(model) is None
+    folded = KNOBS["fold_bn"].apply(model)
+    assert isinstance(folded.body[1], nn.Identity) and isinstance(folded.norm_only[1], nn.BatchNorm1d)
+    with torch.no_grad():
+        assert torch.allclose(folded(X), model(X), atol=1e-5)
+
+
 def test_fold_bn_leaves_a_hooked_layer_as_it_is():
     model = conv_bn()
     model[1].register_forward_hook(_negated)           # a user's hook on the BatchNorm sees its own output
@@ -149,9 +173,11 @@ class Branchy(nn.Module):
         return self.bn(self.conv(x)) if x.sum() > 0 else x    # data-dependent: torch.fx cannot trace it
 
 
-def test_fold_bn_raises_on_a_model_it_cannot_trace():
-    with pytest.raises(Exception, match="symbolically traced"):
-        KNOBS["fold_bn"].apply(Branchy().eval())
+@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4)), Branchy()],
+                         ids=["no layer before it", "in a forward torch.fx cannot trace"])
+def test_fold_bn_is_not_tried_where_it_finds_no_batchnorm_reading_a_layer_alone(model):
+    reason = KNOBS["fold_bn"].supports(model.eval())
+    assert reason.startswith("no BatchNorm alone reads a convolution's or Linear's output")
 
 
 class FoldedIsFaster(HalfCostMeasurer):
@@ -481,9 +507,14 @@ class NamesOnly(HalfCostMeasurer):
         return {name: LatencyStats(10.0 if name == "fp32" else 5.0, 0.0, repeats) for name in models}
 
 
-def test_a_knob_the_models_tool_cannot_handle_is_warned_of_once_not_per_engine(tmp_path, caplog):
+def test_a_knob_the_models_tool_cannot_handle_is_warned_of_once_not_per_engine(tmp_path, caplog, monkeypatch):
     import logging
-    model, x = Branchy().eval(), torch.rand(2, 3, 4, 4)
+
+    def cannot(self, model):
+        raise RuntimeError("the model's code is beyond the tool")
+
+    monkeypatch.setattr(type(KNOBS["fold_bn"]), "apply", cannot)
+    model, x = conv_bn(), X
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.5,
                           max_trials=2, storage=f"sqlite:///{tmp_path}/k.db", engines=["eager", "inductor"],
                           knobs=["fold_bn"], compile_cache=None)

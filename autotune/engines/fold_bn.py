@@ -18,13 +18,9 @@ FOLDABLE = ((nn.Conv1d, nn.BatchNorm1d), (nn.Conv2d, nn.BatchNorm2d), (nn.Conv3d
 
 def fold_batchnorms(model: nn.Module) -> nn.Module:
     """Folds, in place, each BatchNorm (eval mode, running statistics) that alone reads the output of a convolution
-    or Linear, each called once per forward and neither hooked (a hook would see other values); the BatchNorm
-    becomes an Identity, so module names stay. Returns `model`.
-
-    Raises:
-        Exception: torch.fx's tracer, where it cannot trace the model (data-dependent control flow).
-    """
-    for layer_name, norm_name in _foldable_pairs(model):
+    or Linear, each called once per forward of the module traced and neither hooked (a hook would see other values);
+    the BatchNorm becomes an Identity, so module names stay. Returns `model`."""
+    for layer_name, norm_name in foldable_pairs(model):
         layer, norm = model.get_submodule(layer_name), model.get_submodule(norm_name)
         fold = fuse_linear_bn_eval if isinstance(layer, nn.Linear) else fuse_conv_bn_eval
         model.set_submodule(layer_name, fold(layer, norm))
@@ -32,8 +28,14 @@ def fold_batchnorms(model: nn.Module) -> nn.Module:
     return model
 
 
-def _foldable_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    graph = torch.fx.symbolic_trace(model).graph
+def foldable_pairs(model: nn.Module, prefix: str = "") -> list[tuple[str, str]]:
+    """(layer, BatchNorm) module names to fold. torch.fx traces the model; where it cannot (data-dependent control
+    flow: every transformers model), each child is traced apart, down the tree, and pairs are found within the
+    children it can trace (a transformers ResNet's conv layers: convolution, BatchNorm, activation)."""
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:   # whatever the tracer raises on the model's code
+        return [pair for name, child in model.named_children() for pair in foldable_pairs(child, f"{prefix}{name}.")]
     modules = dict(model.named_modules())
     calls = [node for node in graph.nodes if node.op == "call_module"]
     times_called = Counter(node.target for node in calls)
@@ -46,5 +48,5 @@ def _foldable_pairs(model: nn.Module) -> list[tuple[str, str]]:
         if (any(type(layer) is a and type(norm) is b for a, b in FOLDABLE) and norm.track_running_stats
                 and norm.running_mean is not None and times_called[source.target] == times_called[node.target] == 1
                 and not any(forward_hooks(m, kind) for m in (layer, norm) for kind in ("", "_pre"))):
-            pairs.append((source.target, node.target))
+            pairs.append((prefix + source.target, prefix + node.target))
     return pairs

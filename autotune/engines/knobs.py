@@ -16,7 +16,7 @@ from torch import nn
 
 from autotune.clone import clone
 from autotune.engines.base import COMPILE_MODE, hooks_on_it_unsaved
-from autotune.engines.fold_bn import fold_batchnorms
+from autotune.engines.fold_bn import fold_batchnorms, foldable_pairs
 from autotune.engines.lowp import LOW
 from autotune.tree import map_tensors
 
@@ -78,13 +78,18 @@ class FoldBatchNorm:
     keeps_values: ClassVar[bool] = False
 
     def supports(self, model: nn.Module) -> str | None:
-        return None if any(isinstance(m, BATCH_NORMS) for m in model.modules()) else "the model has no BatchNorm"
+        if not any(isinstance(m, BATCH_NORMS) for m in model.modules()):
+            return "the model has no BatchNorm"
+        if not foldable_pairs(model):
+            return ("no BatchNorm alone reads a convolution's or Linear's output in the modules torch.fx can trace "
+                    "(each child is traced apart where the whole model cannot be)")
+        return None
 
     def runs_in(self, model: nn.Module) -> str | None:
         return None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        return fold_batchnorms(clone(model).eval())   # traces the model (torch.fx): a model it cannot trace raises
+        return fold_batchnorms(clone(model).eval())
 
 
 def device_of(model: nn.Module) -> torch.device:
