@@ -840,7 +840,7 @@ def test_the_eager_engine_gets_a_uniform_plan_predicted_slower_than_the_plans_tr
 
 
 def test_a_dtype_whose_modules_ran_several_times_slower_eagerly_gets_no_uniform_finalist(caplog):
-    from autotune.search.finalists import uniform_finalists
+    from autotune.search.finalist_plans import uniform_finalists
 
     candidates = {"a": ["int8", "fp16", "fp32"], "b": ["int8", "fp16", "fp32"], "c": ["fp32"]}
     # int8: a slower alone, b faster, 1.05x in all (inductor may fuse it ahead); fp16 emulated, 4.5x slower.
@@ -1419,7 +1419,7 @@ def test_a_uniform_plan_never_tried_is_no_finalist_where_a_part_of_it_missed_by_
     from types import SimpleNamespace
 
     from autotune.plan import plan_key
-    from autotune.search.finalists import _without_far_misses
+    from autotune.search.finalist_plans import without_far_misses
     from autotune.search.trials import Outcome
 
     def tried(plan, lost):
@@ -1428,10 +1428,10 @@ def test_a_uniform_plan_never_tried_is_no_finalist_where_a_part_of_it_missed_by_
                    tried({"a": "bf16", "b": "bf16", "c": "fp32"}, 9)])
     uniform = {"int8": {"a": "int8", "b": "int8", "c": "int8"}, "bf16": {"a": "fp32", "b": "fp32", "c": "bf16"}}
     runner = SimpleNamespace(refresh=lambda: None, outcomes=narrow)
-    assert _without_far_misses(runner, uniform) == uniform
+    assert without_far_misses(runner, uniform) == uniform
     runner.outcomes = dict([*narrow.items(), tried({"a": "int8", "b": "int8", "c": "fp32"}, 20)])
     with caplog.at_level("INFO", logger="autotune"):
-        assert _without_far_misses(runner, uniform) == {"bf16": uniform["bf16"]}
+        assert without_far_misses(runner, uniform) == {"bf16": uniform["bf16"]}
     assert "uniform int8 is not a finalist: int8×2 fp32×1, a part of it, lost 20.0 tolerances" in caplog.text
 
 

@@ -16,7 +16,8 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
-from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, fp32_plan, race
+from autotune.search.finalist_plans import fp32_plan
+from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race
 from autotune.search.scores import score_of
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies

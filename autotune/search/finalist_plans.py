@@ -1,0 +1,165 @@
+"""Which plans become finalists, per engine: the fastest passing trials, the uniform plans whose dtype can pay
+(`too_slow`) and that their own trials did not miss by far, fp32 where the engine can make it faster; and which
+model-level knobs are worth trying on them. `finalists` builds and races what these choose."""
+from __future__ import annotations
+
+import logging
+
+from optuna.trial import FrozenTrial
+
+from autotune.engines import KNOBS, EagerEngine, Engine, Knob
+from autotune.measure.module_latency import HOPELESS_RATIO
+from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
+from autotune.search.trials import TrialRunner
+from autotune.storage import study as studies
+
+log = logging.getLogger("autotune")
+
+FAR_MISS = 4.0     # tolerances a uniform plan's own trial lost, from which no engine makes that plan a finalist
+
+
+def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:
+    """Of the passing trials `engine` can realise: the fastest (_fastest_worth_building) and the fastest uniform plan,
+    so the winner is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank
+    them wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
+
+    Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (an engine building plans as
+    the trials ran them, those they did not evaluate): the search predicts costs from modules timed alone, which
+    misses what they do to their neighbours (on MiniLM three bf16 modules predicted faster than int8 made the
+    model slower than all-int8) and what a compiler fuses (int8 convolutions, slower alone, fused by inductor).
+    Such a plan is re-evaluated before it can win, like every finalist."""
+    passing = [t for t in studies.passing_trials(runner.study)
+               if not is_baseline(plan := studies.trial_plan(t)) and engine.unsupported(plan, runner.fp32) is None]
+    uniform_keys = {plan_key(runner.space.expand(plan)) for plan in runner.space.uniform_plans()}
+    best_uniform = [t for t in passing if studies.trial_plan_key(t) in uniform_keys][:1]
+    trials = _fastest_worth_building(passing, engine) + best_uniform
+    plans = {f"trial {t.number}": studies.trial_plan(t) for t in trials}
+    known = {plan_key(plan) for plan in plans.values()}
+    if builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
+        known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
+    for dtype, plan in uniform.items():
+        if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
+            plans[f"uniform {dtype}"] = plan
+    return plans
+
+
+def _fastest_worth_building(passing: list[FrozenTrial], engine: Engine) -> list[FrozenTrial]:
+    """Of the passing trials, fastest first, the three fastest; in an engine that compiles the eager plan (inductor),
+    the fastest and the fastest whose plan holds no int8 module. Its int8 modules run eagerly between compiled graphs,
+    so the search's near-twin plans rank there as their eager timings did (the eager engine times those), while each
+    costs a compile: across 54 runs of the sweeps its trial-plan finalists took 646 s of compiling in 149 builds and
+    won twice (the fastest trial, and a MobileNet's third, which held no int8), each by 1-12 % over the next."""
+    if engine.name == "eager" or not builds_as_trials(engine):
+        return passing[:3]
+    whole = [t for t in passing if "int8" not in studies.trial_plan(t).values()][:1]
+    return passing[:1] + [t for t in whole if t not in passing[:1]]
+
+
+def uniform_finalists(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]) -> dict[str, Plan]:
+    """{dtype: its uniform plan} for each lowered dtype `too_slow` finds no reason against."""
+    plans = {}
+    for dtype in sorted({d for options in candidates.values() for d in options} - {"fp32"}):
+        reason = too_slow(candidates, latency, dtype)
+        if reason is None:
+            plans[dtype] = uniform_plan(candidates, dtype)
+        else:   # int8: see own_int8
+            log.info("uniform %s is not a finalist%s: %s", dtype,
+                     " of the engines running eager modules" if dtype == "int8" else "", reason)
+    return plans
+
+
+def own_int8(candidates: dict[str, list[str]], uniform: dict[str, Plan]) -> dict[str, Plan]:
+    """The uniform int8 plan where `uniform` lacks it for its eager timings, for the engines that run int8 in
+    kernels of their own (the compiled engine: oneDNN's, fused with the quantisation around them), which those
+    timings do not bound: a ShuffleNet's int8 modules took 2.2x their fp32 time eagerly, and its uniform int8 plan
+    through pt2e and inductor ran 1.97x faster than fp32."""
+    if "int8" in uniform or not any("int8" in options for options in candidates.values()):
+        return {}
+    return {"int8": uniform_plan(candidates, "int8")}
+
+
+def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[str, Plan]:
+    """`uniform` without the plans whose own trial lost FAR_MISS tolerances or more (each left out is logged). An
+    engine realises a plan in numerics of its own (static activation ranges, the whole model in the low dtype), but
+    not that much closer to fp32: on a MobileNet the compiled engine's uniform int8 lost 9 tolerances where its
+    trial lost 19 (on an MLP 2.6 where its trial lost 2.9), and building it, with its knob's twin, cost 30 s of
+    compiling and an eval_fn call to find that out."""
+    runner.refresh()   # trials other workers ran
+    kept = {}
+    for dtype, plan in uniform.items():
+        lost, whose = _lost_by(runner, plan, dtype)
+        if lost is not None and lost >= FAR_MISS:
+            log.info("uniform %s is not a finalist: %s lost %.1f tolerances", dtype, whose, lost)
+        else:
+            kept[dtype] = plan
+    return kept
+
+
+def _lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, str]:
+    """The tolerances `plan`'s own trial lost; where it was never tried, the most a tried plan lost that lowers
+    only modules `plan` lowers, all to `dtype`: lowering more of them loses as much or more, as the search assumes
+    (a Mamba's uniform int8, never tried, was compiled in three engines, where int8×7 fp32×3 had lost 20). With the
+    trial it comes from."""
+    outcome = runner.outcomes.get(plan_key(plan))
+    if outcome is not None:
+        return outcome.tolerances_lost, "its trial"
+    lowered = {name for name, chosen in plan.items() if chosen == dtype}
+    worst: tuple[float | None, str] = (None, "")
+    for key, tried in runner.outcomes.items():
+        part = plan_of_key(key)
+        changed = {name for name, chosen in part.items() if chosen != "fp32"}
+        if (changed and changed <= lowered and all(part[name] == dtype for name in changed)
+                and tried.tolerances_lost is not None and tried.tolerances_lost > (worst[0] or 0.0)):
+            worst = (tried.tolerances_lost, f"{summarize(part)}, a part of it,")
+    return worst
+
+
+def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]], dtype: str) -> str | None:
+    """Why running the modules that may take `dtype` in it cannot pay, even compiled: it is not a dtype tuned
+    here, or they took HOPELESS_RATIO times their fp32 time or more in all, run eagerly. Compiling fuses the casts
+    and quantisation around a dtype's kernels, never makes the kernels themselves several times faster (bf16 and
+    fp16 on a CPU that emulates them measure 4-25x slower: trying them costs a compile and seconds of timing)."""
+    lowered = [name for name, options in candidates.items() if dtype in options]
+    if not lowered:
+        return f"{dtype} is not among the dtypes tuned"
+    fp32_ms = sum(latency[n]["fp32"] for n in lowered)
+    ratio = sum(latency[n][dtype] for n in lowered) / fp32_ms if fp32_ms > 0 else 1.0
+    return f"its modules took {ratio:.1f}x their fp32 time in {dtype}, eagerly" if ratio >= HOPELESS_RATIO else None
+
+
+def engine_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan], every: dict[str, Plan]
+                  ) -> dict[str, Plan]:
+    """`engine`'s finalist plans, fastest first, and fp32 in every engine but eager (the reference): an engine can
+    make fp32 itself faster. In the engine compiling the eager plan (inductor) fp32 comes first: it is plain
+    torch.compile of the model, the peer a user would pick without autotune, and it passes. Last, under a timeout
+    the other finalists took the time, and a Mixtral returned fp32 eager where torch.compile ran it 2.4x faster."""
+    plans = finalist_plans(runner, engine, uniform if builds_as_trials(engine) else every)
+    if engine.name == "eager" or engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is not None:
+        return plans
+    return {"fp32": fp32, **plans} if builds_as_trials(engine) else {**plans, "fp32": fp32}
+
+
+def knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency: dict[str, dict[str, float]]
+                  ) -> list[str]:
+    """The configured knobs the model has a use for; each other one's reason is logged and kept on the study
+    (`knobs_not_tried`), e.g. the CUDA knobs on a CPU model, or autocast in a dtype `too_slow` rules out."""
+
+    def why_not(knob: Knob) -> str | None:
+        low = knob.runs_in(runner.fp32)
+        return knob.supports(runner.fp32) or (too_slow(candidates, latency, low) if low else None)
+
+    not_tried = {name: reason for name in runner.config.knobs if (reason := why_not(KNOBS[name]))}
+    for name, reason in not_tried.items():
+        log.info("knob %s is not tried: %s", name, reason)
+    studies.set_attr(runner.study, "knobs_not_tried", not_tried)
+    return [name for name in runner.config.knobs if name not in not_tried]
+
+
+def builds_as_trials(engine: Engine) -> bool:
+    """Whether `engine` builds plans as the trials ran them (modules swapped, eagerly), so that what accuracy is
+    measured on is the same model: the eager engine, and the inductor engine, which compiles only what it times."""
+    return type(engine).build is EagerEngine.build
+
+
+def fp32_plan(runner: TrialRunner) -> Plan:
+    return runner.space.expand({unit: "fp32" for unit in runner.space.choices})
