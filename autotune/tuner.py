@@ -193,8 +193,8 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
 
 
 def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> Callable[[nn.Module], Any]:
-    """`fn(model, *args)` as a function of the model alone: INC's eval_fn / eval_args and run_fn / run_args (`name`:
-    "eval_fn" or "run_fn").
+    """`fn(model, *args)` as a function of the model alone, which leaves the model in eval mode: INC's eval_fn /
+    eval_args and run_fn / run_args (`name`: "eval_fn" or "run_fn").
 
     Raises:
         EvalFunctionError: fn is not callable, or args is not a tuple or list (one DataLoader given bare would be
@@ -204,12 +204,16 @@ def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> C
     if not callable(fn):
         raise EvalFunctionError(f"{name} must be callable as {name}(model{f', *{args_name}' if args else ''})"
                                 f"{' -> number' if name == 'eval_fn' else ''}; got {type(fn).__name__}")
-    if args is None:
-        return fn
-    if not isinstance(args, (tuple, list)):
+    if args is not None and not isinstance(args, (tuple, list)):
         raise EvalFunctionError(f"{args_name} must be a tuple of what {name} takes after the model; got "
                                 f"{type(args).__name__}; one argument goes in a tuple of one: {args_name}=(value,)")
-    return lambda model: fn(model, *args)
+
+    def called(model: nn.Module) -> Any:
+        try:
+            return fn(model, *(args or ()))
+        finally:   # a training loop's evaluate() ends with model.train(): the model timed and returned stays in eval
+            model.eval()
+    return called
 
 
 @dataclass

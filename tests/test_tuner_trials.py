@@ -320,3 +320,45 @@ def test_with_a_compiling_engine_the_search_leaves_a_quarter_of_the_timeout_to_t
     assert len(left) == 1 and 1000 * part - 60 < left[0] <= 1000 * part
     assert stopped == ("timeout reached" if part == 1.0 else
                        "its part of the timeout reached (750 of 1000 s; the rest is the finalists')")
+
+
+class TrainingModeSeen:
+    """HalfCostMeasurer's figures, noting whether any model it timed had a module in training mode."""
+
+    def __init__(self, names):
+        from conftest import HalfCostMeasurer
+        self.costs, self.timed_in_training = HalfCostMeasurer(names), []
+
+    def sensitivity(self, *args):
+        return self.costs.sensitivity(*args)
+
+    def module_latency(self, *args):
+        return self.costs.module_latency(*args)
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        self.timed_in_training += [any(m.training for m in model.modules()) for model in models.values()]
+        return self.costs.latency(models, inputs, repeats, warmup)
+
+
+def test_an_eval_fn_that_ends_with_model_train_leaves_the_model_timed_and_returned_in_eval_mode(tmp_path):
+    """A training loop's evaluate() switches the model back to training: the tuned model came back with dropout
+    on, its outputs random."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16)
+
+    def evaluate(net):
+        net.eval()
+        with torch.no_grad():
+            score = float(torch.isfinite(net(x)).all())
+        net.train()
+        return score
+
+    measurer = TrainingModeSeen(["0", "2"])
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="t")
+    result = autotune(model, config, evaluate, x, measurer=measurer)
+    assert set(result.plan.values()) == {"int8"}
+    assert not any(m.training for m in result.model.modules()) and not any(measurer.timed_in_training)
+    with torch.no_grad():
+        assert torch.equal(result.model(x), result.model(x))
