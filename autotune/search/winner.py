@@ -97,7 +97,8 @@ def _coarse_losses(runner: TrialRunner) -> str:
         return ""
     least = losses[0]
     text = f"; every plan tried lost at least {least:.4g} where {runner.config.tolerable_loss:.4g} is tolerable"
-    if len(losses) >= 3 and all(abs(loss / least - round(loss / least)) < 1e-6 for loss in losses):
+    whole_steps = all(abs(loss / least - round(loss / least)) < 1e-6 for loss in losses)
+    if runner.config.tolerable_loss > 0 and len(losses) >= 3 and whole_steps:   # none tolerated: no eval set helps
         text += (f" and every loss was a whole multiple of {least:.4g}, as where one sample of the eval set weighs "
                  "that much: a larger eval set shows smaller losses, so that some plan can pass")
     return text
