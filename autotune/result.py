@@ -10,6 +10,8 @@ from torch import nn
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
 
+NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
+
 
 @dataclass(frozen=True)
 class Measurement:
@@ -60,9 +62,6 @@ class TuningResult:
         return {name: off for name, (best, fp32) in timed.items() if (off := best.ratio_uncertainty(fp32))
                 > UNCERTAIN_RATIO}
 
-    def _noise(self) -> str:
-        noisy = self.noisy_shapes()
-        return f" (±{100 * max(noisy.values()):.0f} %: noisy timing)" if noisy else ""
 
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),
@@ -70,8 +69,8 @@ class TuningResult:
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
-        lines = [table(rows), f"speedup {self.speedup:.2f}x{self._noise()}   plan {summarize(self.plan, self.held)}   "
-                              f"engine {engine}",
+        speedup = speedup_text(self.speedup, max(self.noisy_shapes().values(), default=None))
+        lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
         if len(self.shapes) > 1:
@@ -79,6 +78,16 @@ class TuningResult:
                                    *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),
                                       f"{s.speedup:.2f}x") for s in self.shapes)]))
         return "\n".join(lines)
+
+
+def speedup_text(speedup: float, noise: float | None = None) -> str:
+    """`1.52x`, and how far off it may be where its timing was noisy (`noise`: a share, UNCERTAIN_RATIO or more)."""
+    return f"{speedup:.2f}x" + (f" (±{100 * noise:.0f} %: noisy timing)" if noise else "")
+
+
+def best_speedup(best: dict) -> str:
+    """speedup_text of a study's recorded `best`."""
+    return speedup_text(best["speedup"], best.get(NOISE_KEY))
 
 
 def formatted(value: float | None, pattern: str | None = None) -> str:

@@ -39,7 +39,7 @@ from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
-from autotune.result import Measurement, ShapeLatency, TuningResult
+from autotune.result import NOISE_KEY, Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
@@ -310,10 +310,6 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]
-    studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
-                                     "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
-                                     "knobs": list(winner.knobs), "finalist": winner.name,
-                                     "speedup_by_shape": {shape.name: shape.speedup for shape in shapes}})
     result = TuningResult(
         model=winner.model, plan=winner.plan, study=study,
         baseline=Measurement(runner.baseline, first["fp32"], weight_bytes(runner.fp32)),
@@ -321,7 +317,13 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
         held=held_dtype(runner.fp32))
-    if noisy := result.noisy_shapes():
+    noisy = result.noisy_shapes()
+    studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
+                                     "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
+                                     "knobs": list(winner.knobs), "finalist": winner.name,
+                                     "speedup_by_shape": {shape.name: shape.speedup for shape in shapes},
+                                     **({NOISE_KEY: max(noisy.values())} if noisy else {})})
+    if noisy:
         log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
                     "quiet machine (`autotune bench`)", ", ".join(f"±{100 * off:.0f} % at {name}"
                                                                   for name, off in noisy.items()))

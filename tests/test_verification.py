@@ -2,7 +2,9 @@
 interleaved with fp32, and the fastest there is returned (trial timings on a noisy host can rank them wrong)."""
 from __future__ import annotations
 
+import html
 import itertools
+import json
 
 import pytest
 import torch
@@ -266,6 +268,16 @@ def test_a_speedup_timed_amid_noise_says_so(tmp_path, caplog, busy):
     result = autotune(model, config, fidelity(model, x), x, measurer=Scattered(["0", "2"]))
     assert result.speedup == pytest.approx(2.0)
     assert ("timing behind the speedup was noisy: it is known to ±47 % at batch 4 only" in caplog.text) == busy
+    # What reads the study later says so too: `show`, `list` and the report printed a bare 2.00x.
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    storage, name, page = config.storage, result.study.study_name, tmp_path / "report.html"
+    said = [CliRunner().invoke(main, [command, *args, "--storage", storage]).output
+            for command, args in (("show", [name]), ("list", []), ("report", [name, "--out", str(page)]))]
+    exported = json.loads(CliRunner().invoke(main, ["export", name, "--storage", storage]).output)
+    assert all(("2.00x (±47 %: noisy timing)" in text) == busy for text in [*said[:2], html.unescape(page.read_text())])
+    assert exported.get("speedup_noise") == (pytest.approx(0.467, abs=0.01) if busy else None)
 
 
 def test_the_inductor_engine_compiles_the_fastest_trial_plan_and_the_fastest_without_int8_not_three(tmp_path):

@@ -11,7 +11,7 @@ import optuna
 
 from autotune.cli.base import main, open_existing_storage, storage_option
 from autotune.config.file import read_yaml
-from autotune.result import table
+from autotune.result import best_speedup, table
 from autotune.service.jobs import JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
@@ -60,7 +60,7 @@ def _progress(storage, study_name: str | None) -> tuple[str, str]:
         return "-", "-"
     best = studies.get_attr(study, "best")
     if best is not None:
-        return str(len(studies.evaluated_trials(study))), f"{best['speedup']:.2f}x"
+        return str(len(studies.evaluated_trials(study))), best_speedup(best)
     passing = studies.passing_trials(study)
     ratio = passing[0].values[0] if passing else math.inf
     return str(len(studies.evaluated_trials(study))), f"{1 / ratio:.2f}x (in trial)" if passing else "-"

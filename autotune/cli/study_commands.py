@@ -36,7 +36,7 @@ from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration,
 from autotune.errors import PlanError
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
-from autotune.result import formatted, table
+from autotune.result import NOISE_KEY, best_speedup, formatted, table
 from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
@@ -174,7 +174,7 @@ def show(study_name: str, storage: str) -> None:
     if best is None:
         click.echo("no best plan recorded yet (tuning has not finished)")
         return
-    click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best['speedup']:.2f}x, "
+    click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
                f"{summarize(best['plan'])}{_runs_as(best)}")
     if by_shape:
         click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())
@@ -218,6 +218,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
+    if NOISE_KEY in best:   # how far off the speedup may be: its timing was noisy
+        data[NOISE_KEY] = best[NOISE_KEY]
     if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
     if timed_calls := studies.get_attr(study, TIMED_CALLS_ATTR):   # for `bench`, which times what tuning timed
@@ -333,7 +335,7 @@ def list_command(storage: str) -> None:
         best = summary.user_attrs.get(studies.ATTR_PREFIX + "best") or {}
         rows.append([summary.study_name, str(summary.n_trials),
                      formatted(summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)),
-                     formatted(best.get("accuracy")), formatted(best.get("speedup"), "{:.2f}x")])
+                     formatted(best.get("accuracy")), best_speedup(best) if best else "-"])
     click.echo(table(rows))
 
 

@@ -24,7 +24,7 @@ from autotune.report.charts import (
     shown_modules,
 )
 from autotune.report.rows import Chosen, Row, tolerance_limit, trial_rows
-from autotune.result import formatted
+from autotune.result import formatted, speedup_text
 from autotune.storage import study as studies
 
 
@@ -85,7 +85,7 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
     rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
-            [f"speedup vs the {held} baseline", "1.00x", f"{chosen.speedup:.2f}x (re-timed)"],
+            [f"speedup vs the {held} baseline", "1.00x", f"{speedup_text(chosen.speedup, chosen.noise)} (re-timed)"],
             ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan, held))}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:
