@@ -362,3 +362,17 @@ def test_an_eval_fn_that_ends_with_model_train_leaves_the_model_timed_and_return
     assert not any(m.training for m in result.model.modules()) and not any(measurer.timed_in_training)
     with torch.no_grad():
         assert torch.equal(result.model(x), result.model(x))
+
+
+@pytest.mark.parametrize("max_trials", [1, 2])
+def test_the_guided_phase_stops_at_max_trials(tmp_path, max_trials):
+    """max_trials is an evaluation budget (INC's): 1 ran two seeds, the count read before the last trial ended."""
+    from conftest import HalfCostMeasurer, fidelity
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval(), \
+        torch.randn(4, 8)
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=1e-9, max_trials=max_trials, storage=f"sqlite:///{tmp_path}/m.db")
+    result = autotune(model, config, fidelity(model, x), x, measurer=HalfCostMeasurer(["0", "2", "4"]))
+    assert result.trials_evaluated == max_trials

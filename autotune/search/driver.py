@@ -82,8 +82,8 @@ def run_guided(runner: TrialRunner, budget: Budget) -> None:
         # A dead worker's plan is queued again before the turn: the turn is held only to choose and queue.
         fail_stale_trials(runner.study, runner.config.grace_period)
         with runner.turn("guided"):     # one worker at a time chooses and queues, so no two take one plan
-            runner.refresh()
-            plan = search.next_plan(runner.status_of, runner.tolerances_lost)
+            runner.refresh()            # the budget as of now: max_trials 1 had run two seeds
+            plan = search.next_plan(runner.status_of, runner.tolerances_lost) if budget.left(runner) else None
             if plan is not None:
                 runner.queue(plan, "guided")
         if plan is None:
