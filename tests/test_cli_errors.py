@@ -118,6 +118,20 @@ def test_environment_variables_are_expanded_in_every_string_and_an_unset_one_is_
     assert_one_error_line(result, 2, "evaluation.kwargs.label", "AUTOTUNE_TEST_UNSET_LABEL is not set")
 
 
+def test_a_dollar_in_a_variables_value_is_kept_and_dollar_dollar_writes_one(tmp_path, monkeypatch):
+    """A password holding `$` was taken for another variable ("environment variable w0rd is not set"), with the
+    URL, password and all, in the message; and no `$` could be written at all."""
+    from autotune.config import load_config
+    monkeypatch.setenv("AUTOTUNE_TEST_PASSWORD", "pa$w0rd")
+    data = small_mnist("sqlite:///" + str(tmp_path / "s.db"))
+    data["tuning"]["study_name"] = "${AUTOTUNE_TEST_PASSWORD}-$$1"
+    assert load_config(write_yaml(tmp_path / "c.yaml", data)).tuning.study_name == "pa$w0rd-$1"
+    data["tuning"]["storage"] = "postgresql+psycopg://tuner:se$cret@db.example/studies"
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
+    assert_one_error_line(result, 2, "tuning.storage", "environment variable cret is not set")
+    assert "se$cret" not in result.output and "tuner:***@db.example" in result.output and "write $$" in result.output
+
+
 def test_a_ctrl_c_python_drops_in_a_finalizer_still_ends_the_command_as_interrupted(monkeypatch):
     # Python ignores an exception raised in __del__ or a weakref callback, KeyboardInterrupt too: a tune whose
     # Ctrl-C landed there (while compiled code was collected) ran to its end and exited 0.

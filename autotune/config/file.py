@@ -28,16 +28,23 @@ from autotune.config.tuning import StrictModel, TuningConfig, split_import_path
 from autotune.dataset_eval import dataset_eval
 from autotune.errors import ConfigError
 
-_UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+# `$$` (a literal `$`), `${VAR}` or `$VAR`; any other `$` is text. A variable's value is not scanned again.
+_VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)\}|(\w+))")
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")   # a URL's password, masked in messages
 
 
 def expand_env(value: str) -> str:
-    """os.path.expandvars, but a variable that is not set is an error instead of being left as text."""
-    expanded = os.path.expandvars(value)
-    unset = _UNSET_VAR.search(expanded)
-    if unset:
-        raise ValueError(f"environment variable {unset.group(1).strip('{}')} is not set (in {value!r})")
-    return expanded
+    """`${VAR}` and `$VAR` replaced by the environment's values, `$$` by `$`; a variable that is not set is an
+    error instead of being left as text."""
+    def replaced(match: re.Match) -> str:
+        if match.group(1):
+            return "$"
+        name = match.group(2) or match.group(3)
+        if name not in os.environ:
+            masked = _PASSWORD.sub(r"\1***@", value)
+            raise ValueError(f"environment variable {name} is not set (in {masked!r}; write $$ for a $ itself)")
+        return os.environ[name]
+    return _VARIABLE.sub(replaced, value)
 
 
 def expand_env_everywhere(data: Any, path: str = "") -> Any:
