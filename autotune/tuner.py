@@ -32,7 +32,7 @@ from autotune.discovery import (
     untuned_weights,
 )
 from autotune.engines.quiet import library_notes_dropped
-from autotune.errors import EvalFunctionError, NoTunableModulesError
+from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError, describe
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
@@ -230,7 +230,12 @@ class _Setup:
 
 def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """The copy of the user's model that the tuner calls, lowers and returns: in eval mode, since inference is what
-    is tuned and timed (a model handed over in training mode is said to be), on `device`."""
+    is tuned and timed (a model handed over in training mode is said to be), on `device`. Raises ConfigError where
+    the model's weights were never loaded (the meta device)."""
+    if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):
+        message = ("the model's weights are on the meta device, never loaded: load them first (e.g. "
+                   "model.load_state_dict(state, assign=True), or from_pretrained without device_map='meta')")
+        raise ConfigError(message, [("model", message)])
     if any(module.training for module in model.modules()):
         log.warning("the model is in training mode (dropout on, batch norm updating its statistics): it is evaluated, "
                     "tuned and returned in eval mode; call model.eval() on yours to compare")
@@ -264,7 +269,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, None, device)
     probe = detach_clone(batches[0])    # the first call on it shows whether the model changes its inputs
-    calibration = record_module_inputs(fp32, list(candidates), probe)
+    calibration = _first_call(fp32, candidates, probe, example_inputs is not None)
     if (marked := copied_per_call(batches, probe)) is not batches:
         log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
         batches = marked
@@ -282,6 +287,21 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
                   if name in latency}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
+
+
+def _first_call(fp32: nn.Module, candidates: dict[str, list[str]], probe: CallInputs, given: bool
+                ) -> dict[str, CallInputs]:
+    """What each candidate is first called with, on the first batch. Raises ConfigError where that batch is the
+    `example_inputs` given (every other was the model's own call) and the model fails on it."""
+    try:
+        return record_module_inputs(fp32, list(candidates), probe)
+    except Exception as exc:   # the user's model, on the user's inputs
+        if not given:
+            raise
+        message = (f"the model fails on example_inputs: {describe(exc)}; they are passed as model(*a_tuple), "
+                   "model(**a_dict) or model(a_tensor) (INC's eval_args, the fourth argument there, goes by keyword "
+                   "here: eval_args=...)")
+        raise ConfigError(message, [("example_inputs", message)]) from exc
 
 
 @_fewer_collections()

@@ -178,3 +178,23 @@ def test_a_reason_is_one_line_with_the_line_its_first_announces_and_no_traceback
                                 "state_dict(). See: https://pytorch.org/tutorials/beginner/saving_loading_models.html")
     crashed = RuntimeError("kernel crashed\nwhile running the graph:\n  %3 = quantized_linear(...)")
     assert describe(crashed) == "RuntimeError: kernel crashed" and len(describe(crashed, limit=6)) == 20
+
+
+@pytest.mark.parametrize("given", [torch.randn(4, 17), ([(INPUTS, torch.zeros(16))],)],
+                         ids=["wrong width", "INC's eval_args"])
+def test_example_inputs_the_model_fails_on_are_named_as_the_cause(storage, given):
+    """The model's own error alone ("mat1 and mat2 shapes cannot be multiplied") named nothing the user passed; an
+    INC user's eval_args, INC's fourth positional argument, land in example_inputs here."""
+    def eval_fn(model, loader=None):
+        return 1.0
+
+    with pytest.raises(ConfigError, match=r"the model fails on example_inputs: \w+Error: .* eval_args=\.\.\.\)$"):
+        autotune(small_model(), config(storage), eval_fn, given)
+
+
+def test_a_model_on_the_meta_device_is_told_to_load_its_weights(storage):
+    """torch's own error advised to_empty(), which leaves the weights uninitialised."""
+    with torch.device("meta"):
+        model = small_model()
+    with pytest.raises(ConfigError, match="the model's weights are on the meta device, never loaded: load them first"):
+        autotune(model, config(storage), lambda m: 1.0, INPUTS)
