@@ -4,6 +4,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
+def masked(text: str) -> str:
+    """`text` with the password of any URL in it shown as ***, for messages."""
+    return _PASSWORD.sub(r"\1***@", text)
+
 
 def describe(exc: BaseException, limit: int = 300) -> str:
     """An exception in one line for a log or a reason: "TypeName: the first line of its message", with the next

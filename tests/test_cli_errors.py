@@ -38,6 +38,18 @@ def test_a_storage_url_that_does_not_parse(tmp_path):
     assert_one_error_line(run("tune", str(config), "--storage", "sqlite:/nope"), 2,
                           "cannot parse the storage URL 'sqlite:/nope'")
     assert_one_error_line(run("list", "--storage", "sqlite:/nope"), 2, "cannot parse the storage URL")
+    # A port that is no number escaped as "unexpected ValueError", exit 1, and the password went unmasked.
+    port = run("list", "--storage", "postgresql+psycopg://tuner:secret@127.0.0.1:1:2/studies")
+    assert_one_error_line(port, 2, "cannot parse the storage URL 'postgresql+psycopg://tuner:***@127.0.0.1:1:2/studies'")
+    assert "secret" not in port.output
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_storage_is_refused_as_keeping_nothing(tmp_path, url):
+    # It was reported as a database briefly down ("no such table: studies; once it answers, run the command again").
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    assert_one_error_line(run("tune", str(config), "--storage", url), 2,
+                          "is an in-memory SQLite database, which keeps no study")
 
 
 @pytest.mark.parametrize("command", [["list"], ["show", "mnist"], ["tune", "CONFIG"]])

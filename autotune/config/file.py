@@ -26,11 +26,10 @@ from torch import nn
 
 from autotune.config.tuning import StrictModel, TuningConfig, split_import_path
 from autotune.dataset_eval import dataset_eval
-from autotune.errors import ConfigError
+from autotune.errors import ConfigError, masked
 
 # `$$` (a literal `$`), `${VAR}` or `$VAR`; any other `$` is text. A variable's value is not scanned again.
 _VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)\}|(\w+))")
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")   # a URL's password, masked in messages
 
 
 def expand_env(value: str) -> str:
@@ -41,8 +40,7 @@ def expand_env(value: str) -> str:
             return "$"
         name = match.group(2) or match.group(3)
         if name not in os.environ:
-            masked = _PASSWORD.sub(r"\1***@", value)
-            raise ValueError(f"environment variable {name} is not set (in {masked!r}; write $$ for a $ itself)")
+            raise ValueError(f"environment variable {name} is not set (in {masked(value)!r}; write $$ for a $ itself)")
         return os.environ[name]
     return _VARIABLE.sub(replaced, value)
 

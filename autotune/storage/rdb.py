@@ -13,7 +13,7 @@ import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-from autotune.errors import StorageError, describe
+from autotune.errors import StorageError, describe, masked
 
 log = logging.getLogger("autotune")
 SCHEMA_ATTEMPTS = 5
@@ -26,8 +26,8 @@ def shown(url: str) -> str:
     """`url` as messages show it: with its password masked."""
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
-        return url
+    except (sqlalchemy.exc.ArgumentError, ValueError):   # ValueError: a port that is no number
+        return masked(url)
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -40,8 +40,8 @@ def storage_errors(url: str) -> Iterator[None]:
     """Turns what the database layer raises for `url` into a StorageError saying what is wrong, in one line."""
     try:
         yield
-    except sqlalchemy.exc.ArgumentError:
-        raise StorageError(f"cannot parse the storage URL {url!r}; expected e.g. sqlite:///studies/autotune.db "
+    except (sqlalchemy.exc.ArgumentError, NotAPort):
+        raise StorageError(f"cannot parse the storage URL {shown(url)!r}; expected e.g. sqlite:///studies/autotune.db "
                            "or postgresql+psycopg://user:password@host/database") from None
     except ImportError as exc:
         raise StorageError(f"no database driver for the storage URL {shown(url)!r} is installed ({exc}); for "
@@ -144,6 +144,8 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
     Raises:
         StorageError: the URL does not parse, its driver is missing, or the database cannot be used.
     """
+    with storage_errors(url):
+        _parsed(url)
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +174,22 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
         sqlalchemy.event.listen(storage.engine, "begin", _begin_immediate)
         storage.engine.dispose()   # connections opened while creating the schema lack the pragmas
     return storage
+
+
+class NotAPort(ValueError):
+    """A storage URL's port is no number."""
+
+
+def _parsed(url: str) -> None:
+    """Raises ArgumentError, or NotAPort, where `url` is no database URL; StorageError where it is an in-memory
+    SQLite database (`sqlite://`), which keeps nothing."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except ValueError as exc:   # SQLAlchemy's int() of the port ("host:1:2"); its ArgumentError is no ValueError
+        raise NotAPort(str(exc)) from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise StorageError(f"{url!r} is an in-memory SQLite database, which keeps no study: each connection gets "
+                           "an empty one of its own; name a file, e.g. sqlite:///studies/autotune.db")
 
 
 def _sqlite_wal(connection, _record) -> None:
