@@ -106,10 +106,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
     timeout = BuildDeadline(deadline)
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
-    compiling = any(engine != "eager" for engine in runner.config.engines)
-    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
-                                   studies.built_from(runner.study, runner.batches))
-    cache.load_compiler_artefacts()
+    cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
     latency = studies.get_attr(runner.study, "module_latency_ms")
     candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
     paying = uniform_finalists(candidates, latency)
@@ -138,6 +135,30 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
+
+
+def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]) -> Finalist:
+    """One plan built again in `engine` with `knobs` (read back from the study's compile cache where it holds it),
+    called until it compiles nothing more.
+
+    Raises:
+        EngineUnavailable: building it or calling it failed.
+    """
+    compiling = engine != "eager"
+    calibration = Calibration(runner.batches, runner.calibration, runner.variants)
+    finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
+                      name=engine, compiling=BuildDeadline(None) if compiling else None)
+    if not _settled({engine: finalist}, runner):
+        raise EngineUnavailable(f"{engine}: a call after its first failed")
+    return finalist
+
+
+def _compile_cache(runner: TrialRunner, compiling: bool) -> CompileCache:
+    """The study's compile cache (none where no engine compiles), its compiler artefacts loaded."""
+    cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
+                                   studies.built_from(runner.study, runner.batches))
+    cache.load_compiler_artefacts()
+    return cache
 
 
 def _not_built(runner: TrialRunner, engine: Engine, timeout: BuildDeadline) -> str | None:

@@ -10,14 +10,14 @@ from torch import nn
 
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.engines import KNOBS, get_engine
+from autotune.engines import KNOBS, EngineUnavailable, get_engine
 from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
 from autotune.search.finalist_plans import fp32_plan
-from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race
+from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
 from autotune.search.scores import score_of
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
@@ -43,6 +43,7 @@ class Winner:
     setup_s: float = 0.0                           # its build and first calls (compilation) in its engine
     knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
     name: str = "fp32"                             # its finalist's name ("trial 12 (inductor) +fold_bn")
+    recorded: bool = False                         # the study's recorded best, built again (_recorded_winner)
 
 
 def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winner:
@@ -51,6 +52,8 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
     OUTRACED faster than it then ran: that one is tried too, timed beside it, and the faster of the two there wins
     (a busy host's race timed a ShuffleNet plan at 0.48 of fp32, alone it ran at 0.94, and it was returned where
     the fp32 plan compiled raced at 0.57). fp32 if none passes and runs faster."""
+    if (recorded := _recorded_winner(runner)) is not None:
+        return recorded
     config = runner.config
     candidates = finalists(runner, deadline)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
@@ -102,6 +105,31 @@ def _coarse_losses(runner: TrialRunner) -> str:
         text += (f" and every loss was a whole multiple of {least:.4g}, as where one sample of the eval set weighs "
                  "that much: a larger eval set shows smaller losses, so that some plan can pass")
     return text
+
+
+def _recorded_winner(runner: TrialRunner) -> Winner | None:
+    """The study's recorded best, where no trial was evaluated since and the engines and knobs configured are the
+    same: built again and timed against fp32 once more, its score the recorded one. A finished study run again
+    raced its finalists anew, and on a busy host each run returned another plan and spent an eval_fn call
+    re-evaluating it. None where there is none to reuse, or it no longer builds (logged)."""
+    best = studies.get_attr(runner.study, "best")
+    if not best or best.get(studies.BEST_RECORDED_WITH) != studies.recorded_with(runner.study, runner.config):
+        return None
+    name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
+    log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "
+             "timed again, not chosen again (`autotune bench` times it; a larger max_trials searches further)", name)
+    if is_baseline(best["plan"]) and best["engine"] == "eager" and not knobs:
+        with as_eval_fn_calls(runner):
+            by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32}, runner.shapes, runner.config.repeats)
+        return _fp32_winner(runner, by_shape, recorded=True)
+    try:
+        finalist = rebuilt(runner, best["plan"], best["engine"], knobs)
+    except EngineUnavailable as exc:
+        log.warning("the study's best plan does not build again (%s): its finalists are chosen again", describe(exc))
+        return None
+    winner, _ = _timed_again(runner, finalist, name, best["accuracy"], None)
+    winner.recorded = True
+    return winner
 
 
 class _Verdicts:
@@ -161,8 +189,10 @@ def _timeout(config: TuningConfig, finalist: Finalist) -> float | None:
     return config.trial_timeout + (RECOMPILES * finalist.setup_s if finalist.engine != "eager" else 0.0)
 
 
-def _fp32_winner(runner: TrialRunner, by_shape: dict[str, dict[str, LatencyStats]]) -> Winner:
-    return Winner(fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0)
+def _fp32_winner(runner: TrialRunner, by_shape: dict[str, dict[str, LatencyStats]], recorded: bool = False
+                 ) -> Winner:
+    return Winner(fp32_plan(runner), "eager", clone(runner.fp32), runner.baseline, _fp32_and(by_shape, "fp32"), 1.0,
+                  recorded=recorded)
 
 
 def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: float, rival: Winner | None

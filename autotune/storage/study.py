@@ -30,6 +30,8 @@ ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
 BASELINE_ATTR = "baseline_accuracy"    # the fp32 model's eval_fn score (autotune.search.scores)
+BEST_RECORDED_WITH = "recorded_with"   # in `best`: the study's evaluated trials, the engines and knobs configured
+
 HELD_DTYPE_ATTR = "held_dtype"          # the dtype the model was handed over in: what its plans' "fp32" keeps
 log = logging.getLogger("autotune")
 
@@ -244,3 +246,8 @@ def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Completed trials that met the accuracy requirement, fastest first."""
     return sorted((t for t in view_trials(study).finished.values() if t.user_attrs.get("passed")),
                   key=lambda t: t.values[0])
+
+
+def recorded_with(study: optuna.Study, config: TuningConfig) -> dict:
+    """What a `best` recorded now is recorded with: it stands for a run that has as much (winner._recorded_winner)."""
+    return {"trials": len(evaluated_trials(study)), "engines": list(config.engines), "knobs": list(config.knobs)}
