@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,7 +212,8 @@ def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> C
         try:
             return fn(model, *(args or ()))
         finally:   # a training loop's evaluate() ends with model.train(): the model timed and returned stays in eval
-            model.eval()
+            with suppress(NotImplementedError):   # torch.export's modules refuse train() and eval()
+                model.eval()
     return called
 
 
