@@ -325,4 +325,5 @@ class TrialRunner:
         self.evaluated = view.evaluated
         self.stale = view.stale
         self.unguided_in_flight = view.unguided_in_flight
+        self.trial_s = view.trial_s
         return view
