@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulator import SimWorkload  # noqa: E402
 
 
-def tune(sim, model, storage, study_name=None):
-    config = TuningConfig(engines=["eager"],
-                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01,
-                          max_trials=4, repeats=3, storage=storage, study_name=study_name)
+def tune(sim, model, storage, study_name=None, tolerable_loss=0.01):
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=tolerable_loss, max_trials=4, repeats=3, storage=storage,
+                          study_name=study_name)
     return autotune(model, config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
 
 
@@ -47,6 +47,16 @@ def test_a_named_study_tuned_on_other_weights_is_refused_with_the_reason(storage
     tune(sim, sim.model(), storage, study_name="mine")
     with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was tuned on other weights of this model"):
         tune(sim, scaled(sim.model(), 1.01), storage, study_name="mine")
+
+
+def test_a_named_study_resumed_with_another_accuracy_requirement_is_refused_with_the_reason(storage):
+    """Its trials' pass or fail was judged against the first requirement: `show` then marked one plan at one score
+    passing in one trial and failing in another."""
+    sim = SimWorkload(6, eval_cost_s=0)
+    tune(sim, sim.model(), storage, study_name="mine")
+    with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was tuned to another accuracy requirement "
+                                                 r"\(\{'tolerable_loss': 0.01, .*here \{'tolerable_loss': 0.05"):
+        tune(sim, sim.model(), storage, study_name="mine", tolerable_loss=0.05)
 
 
 def test_weights_signatures_tell_models_apart_by_their_values_names_and_buffers():

@@ -107,8 +107,8 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     """Creates the study in `storage`, or loads it if it exists.
 
     Raises:
-        StudyMismatchError: the existing study was made for another objective, other modules or dtypes, or other
-            weights.
+        StudyMismatchError: the existing study was made for another objective, other modules or dtypes, another
+            accuracy requirement, or other weights.
     """
     # Not a line per trial from Optuna, nor its traceback of each failed trial: the tuner logs each failure itself,
     # with its reason, in one line.
@@ -131,6 +131,12 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
         raise StudyMismatchError(
             f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
             f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
+    requirement = {"tolerable_loss": config.tolerable_loss, "loss_kind": config.loss_kind,
+                   "higher_is_better": config.higher_is_better}
+    if (asked := _recorded(study, "requirement", requirement)) != requirement:
+        raise StudyMismatchError(
+            f"study {study_name!r} in {shown(config.storage)} was tuned to another accuracy requirement ({asked}, "
+            f"here {requirement}): its trials' pass or fail does not hold for this one; use another study_name")
     if not same_weights(_recorded(study, "weights", weights), weights):
         raise StudyMismatchError(
             f"study {study_name!r} in {shown(config.storage)} was tuned on other weights of this model (retrained or "
