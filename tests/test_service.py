@@ -249,3 +249,15 @@ def test_a_tuning_run_that_loses_its_database_says_so_in_one_line_and_resumes(tm
                              text=True, timeout=600)
     assert resumed.returncode == 0 and "resuming after" in resumed.stdout, resumed.stdout + resumed.stderr
     assert_each_plan_once_to_the_expected_winner(postgres, "cut")
+
+
+def test_an_allow_pattern_matches_a_top_level_modules_path_read_with_a_dot():
+    """`--allow "mypkg.*"` refused `mypkg:model`, the path of a module's own attribute."""
+    from autotune.service.worker import JobRefused, check_allowed
+
+    job = {"model": {"factory": "mypkg:model"}, "evaluation": {"eval_fn": "mypkg.scores:accuracy"}}
+    check_allowed(job, ("mypkg.*",))
+    with pytest.raises(JobRefused, match=r"refused: model.factory: mypkg:model not allowed"):
+        check_allowed(job, ("mypkg.scores*",))
+    with pytest.raises(JobRefused, match="os:system"):
+        check_allowed({"model": {"factory": "os:system"}}, ("mypkg.*",))

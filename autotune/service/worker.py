@@ -54,9 +54,10 @@ def import_paths(data: dict) -> list[tuple[str, str]]:
 
 
 def check_allowed(data: dict, allow: tuple[str, ...]) -> None:
-    """Raises JobRefused naming each import path no `allow` pattern matches; runs none of them."""
+    """Raises JobRefused naming each import path no `allow` pattern matches, as written or dotted ("mypkg.*" allows
+    "mypkg:model" too, as a user reads it); runs none of them."""
     refused = [f"{field}: {path}" for field, path in import_paths(data)
-               if not any(fnmatchcase(path, pattern) for pattern in allow)]
+               if not any(fnmatchcase(name, pattern) for pattern in allow for name in (path, path.replace(":", ".")))]
     if refused:
         raise JobRefused(f"refused: {', '.join(refused)} not allowed on this worker (--allow {' '.join(allow)})")
 
