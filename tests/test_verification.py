@@ -397,3 +397,25 @@ def test_a_finished_study_run_again_with_other_knobs_chooses_again(tmp_path):
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
     autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=measurer)
     assert measurer.races == 1
+
+
+@pytest.mark.parametrize("random", [False, True])
+def test_a_plan_scored_otherwise_for_the_win_than_in_its_trial_warns_of_a_random_eval_fn(tmp_path, caplog, random):
+    """An eval_fn sampling its data without a seed scored one plan 0.742 in its trial and 0.828 for the win, a
+    tolerance of 1 % apart several times over, and the tolerance meant nothing; nothing said so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
+    scored: dict[str, int] = {}
+
+    def eval_fn(net):
+        key = plan_key(plan_of(net, NAMES))
+        scored[key] = scored.get(key, 0) + 1
+        lowered = "int8" in plan_of(net, NAMES).values()
+        return 1.0 + (0.1 if scored[key] == 1 else -0.05) * (lowered and random)   # both pass a loss of 0.1
+
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.1, max_trials=20, storage=f"sqlite:///{tmp_path}/r.db", study_name="r")
+    result = autotune(model, config, eval_fn, torch.randn(2, 8), measurer=ScriptedMeasurer())
+    assert "int8" in result.plan.values()
+    assert ("where its trial scored the same model at -0.1, more apart than the 0.1 tolerated" in caplog.text) \
+        == random

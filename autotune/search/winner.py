@@ -171,6 +171,7 @@ class _Verdicts:
         baseline = self.runner.baseline
         loss, passes = config.accuracy_loss(baseline, accuracy), config.passes(baseline, accuracy)
         self.note(name, f"{'passed' if passes else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
+        self._scored_twice(name, finalist, loss)
         if not passes:
             log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where "
                         "%.4g is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
@@ -178,6 +179,19 @@ class _Verdicts:
         del self.rejected[numerics]
         self.passed[numerics] = accuracy
         return accuracy
+
+    def _scored_twice(self, name: str, finalist: Finalist, loss: float) -> None:
+        """Warns where the model its trial scored, scored again now, lost otherwise by more than the tolerance: an
+        eval_fn left with dropout on or sampling at random (a plan lost -0.01 in its trial, 0.08 here) makes every
+        pass and fail chance."""
+        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        if (trial is None or finalist.engine != "eager" or finalist.knobs
+                or abs(loss - trial.loss) <= self.runner.config.tolerable_loss):
+            return
+        log.warning("eval_fn scored %s's model at a loss of %.4g where its trial scored the same model at %.4g, "
+                    "more apart than the %.4g tolerated: is eval_fn random (dropout on, data sampled without a "
+                    "seed)? Its passes and fails are chance then", name, loss, trial.loss,
+                    self.runner.config.tolerable_loss)
 
 
 def _timeout(config: TuningConfig, finalist: Finalist) -> float | None:
