@@ -228,3 +228,17 @@ def test_the_autotune_command_imports_modules_beside_it_and_leaves_no_file_in_th
                           timeout=300, env={**os.environ, "TMPDIR": str(temp)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert not list(temp.iterdir()), f"files left under TMPDIR: {list(temp.iterdir())}"
+
+
+def test_output_into_a_reader_that_went_away_ends_quietly(tmp_path):
+    """`autotune show ... | head` ended with "unexpected BrokenPipeError" and exit code 1."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    optuna.create_study(study_name="shown", storage=url)
+    reader_gone = subprocess.Popen([sys.executable, "-m", "autotune", "list", "--storage", url],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader_gone.stdout.close()     # before the command, still importing, writes its table
+    _, said = reader_gone.communicate(timeout=300)
+    assert reader_gone.returncode == 141, said
+    assert b"Error" not in said and b"BrokenPipe" not in said, said

@@ -34,6 +34,7 @@ storage_option = click.option("--storage", envvar="AUTOTUNE_STORAGE", default=No
 
 
 INPUT_ERROR, INTERRUPTED, UNEXPECTED = 2, 130, 1     # exit codes (README, "YAML files and the CLI")
+BROKEN_PIPE = 141   # 128 + SIGPIPE, as a shell reports a filter its reader left
 
 
 class CliError(click.ClickException):
@@ -87,6 +88,10 @@ class _Group(click.Group):
             raise
         except (click.ClickException, click.exceptions.Abort):
             raise
+        except BrokenPipeError:   # the reader went away (`autotune show ... | head`): as any filter, stop quietly
+            # Python flushes stdout again at exit, which would fail once more: point it where writing cannot.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(BROKEN_PIPE)
         except Exception as exc:
             if ctx.params.get("debug"):
                 raise
