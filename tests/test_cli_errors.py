@@ -242,3 +242,15 @@ def test_output_into_a_reader_that_went_away_ends_quietly(tmp_path):
     _, said = reader_gone.communicate(timeout=300)
     assert reader_gone.returncode == 141, said
     assert b"Error" not in said and b"BrokenPipe" not in said, said
+
+
+def test_a_factory_argument_that_is_one_variable_takes_its_number_and_a_config_field_its_text(monkeypatch):
+    """`kwargs: {sleep: "${EVAL_SLEEP}"}` passed "0.01", and the baseline failed on a str inside the user's code."""
+    from autotune.config.file import expand_env_everywhere
+    monkeypatch.setenv("AUTOTUNE_TEST_BATCH", "64")
+    monkeypatch.setenv("AUTOTUNE_TEST_SLEEP", "0.01")
+    data = {"evaluation": {"kwargs": {"batch": "${AUTOTUNE_TEST_BATCH}", "sleep": "$AUTOTUNE_TEST_SLEEP",
+                                      "name": "run-${AUTOTUNE_TEST_BATCH}"}},
+            "tuning": {"study_name": "${AUTOTUNE_TEST_BATCH}"}}
+    assert expand_env_everywhere(data) == {"evaluation": {"kwargs": {"batch": 64, "sleep": 0.01, "name": "run-64"}},
+                                           "tuning": {"study_name": "64"}}

@@ -32,9 +32,23 @@ from autotune.errors import ConfigError, masked
 _VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)\}|(\w+))")
 
 
-def expand_env(value: str) -> str:
+def expand_env(value: str, typed: bool = False) -> Any:
     """`${VAR}` and `$VAR` replaced by the environment's values, `$$` by `$`; a variable that is not set is an
-    error instead of being left as text."""
+    error instead of being left as text. `typed`: a string that is one variable alone takes its value as YAML reads
+    a number or a boolean (a factory's `kwargs: {batch: "${BATCH}"}` with BATCH=64 gives 64: nothing coerces a
+    factory's own arguments, as pydantic does the config's fields)."""
+    text = _expanded(value)
+    whole = _VARIABLE.fullmatch(value)
+    if typed and whole and not whole.group(1):
+        try:
+            scalar = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        return scalar if isinstance(scalar, (int, float, bool)) else text
+    return text
+
+
+def _expanded(value: str) -> str:
     def replaced(match: re.Match) -> str:
         if match.group(1):
             return "$"
@@ -53,7 +67,7 @@ def expand_env_everywhere(data: Any, path: str = "") -> Any:
     """
     if isinstance(data, str):
         try:
-            return expand_env(data)
+            return expand_env(data, typed=".kwargs." in f".{path}")
         except ValueError as exc:
             raise ConfigError(f"{path}: {exc}", [(path, str(exc))]) from None
     if isinstance(data, dict):
