@@ -10,6 +10,7 @@ from autotune.cli.study_commands import apply_saved_plan
 from autotune.config import LatencyInput, load_config
 from autotune.engines import get_engine
 from autotune.measure.allocator import allocation_while_timing
+from autotune.measure.latency import UNCERTAIN_RATIO
 from autotune.measure.measurer import DeviceMeasurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import latency_shapes, weighted_ratio
 from autotune.plan import summarize
@@ -64,7 +65,10 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
     ratios = ratios_to_fp32(timing, plan_name)
     for shape in at:
         t = timing[shape.name]
+        off = t[plan_name].ratio_uncertainty(t["fp32"])
+        noise = f" (±{100 * off:.0f} %: noisy timing; time it again on a quieter machine)" if off > UNCERTAIN_RATIO \
+            else ""
         click.echo(f"{shape.name} (weight {shape.weight:g}): {1 / ratios[shape.name]:.2f}x fp32  "
                    f"(plan {t[plan_name].median_ms:.3f} ± {t[plan_name].spread_ms:.3f} ms, "
-                   f"fp32 {t['fp32'].median_ms:.3f} ± {t['fp32'].spread_ms:.3f} ms, {t['fp32'].repeats} rounds)")
+                   f"fp32 {t['fp32'].median_ms:.3f} ± {t['fp32'].spread_ms:.3f} ms, {t['fp32'].repeats} rounds){noise}")
     click.echo(f"weighted over the shapes: {1 / weighted_ratio(ratios, at):.2f}x fp32")
