@@ -127,8 +127,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             engine_knobs = [name for name in knobs
                             if KNOBS[name].engines is None or build.engine.name in KNOBS[name].engines]
             if engine_knobs and built:
-                found.update(_with_knobs(build.engine, engine_knobs, _knob_base(built, runner), runner, cache,
-                                         failed_knobs, timeout))
+                found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, timeout))
     if dropped:
         studies.set_attr(runner.study, "engines_dropped", dropped)
     found = _settled(found, runner)
@@ -286,6 +285,16 @@ def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
                                     warmup=0)
     return by_shape, {name: weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
                       for name in ["fp32", *models]}
+
+
+def _knobbed(engine: Engine, knobs: list[str], built: dict[str, Finalist], runner: TrialRunner, cache: CompileCache,
+             failed: set[str], timeout: BuildDeadline) -> dict[str, Finalist]:
+    """`knobs` tried on one of the engine's `built` finalists (_knob_base, _with_knobs). A compiling engine past the
+    run's timeout tries none, and times no heat to pick their finalist (a ViT's heats ran 40 s past it)."""
+    if engine.name != "eager" and timeout.reached(engine.name):
+        log.warning("%s: %s is not tried in the %s engine", timeout.why(engine.name), ", ".join(knobs), engine.name)
+        return {}
+    return _with_knobs(engine, knobs, _knob_base(built, runner), runner, cache, failed, timeout)
 
 
 def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,

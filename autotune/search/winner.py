@@ -3,6 +3,7 @@ tolerance; fp32 where none does."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ RECOMPILES = 4     # compiles a finalist's evaluation is given time for beyond t
 # it then ran: a race figure reads a few per cent fast anyway (the fastest of noisy ones), and each finalist tried
 # costs an eval_fn call.
 OUTRACED = 0.10
+PAST_TIMEOUT_ROUNDS = 5   # most rounds of the finalists' race once the run's timeout has passed
 
 
 @dataclass
@@ -57,7 +59,7 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
     config = runner.config
     candidates = finalists(runner, deadline)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
-    by_shape, ratio = race(runner, models, config.repeats)
+    by_shape, ratio = race(runner, models, _race_rounds(config, deadline))
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
     verdicts = _Verdicts(runner)
     best: Winner | None = None
@@ -105,6 +107,16 @@ def _coarse_losses(runner: TrialRunner) -> str:
         text += (f" and every loss was a whole multiple of {least:.4g}, as where one sample of the eval set weighs "
                  "that much: a larger eval set shows smaller losses, so that some plan can pass")
     return text
+
+
+def _race_rounds(config: TuningConfig, deadline: float | None) -> int:
+    """The race's most rounds: `repeats`, or PAST_TIMEOUT_ROUNDS once the run's timeout has passed (a ViT's race of
+    ten finalists, at 2 s a call on a busy host, ran minutes past it). It stops sooner where it is settled."""
+    if deadline is not None and time.monotonic() >= deadline and config.repeats > PAST_TIMEOUT_ROUNDS:
+        log.info("the run's timeout has passed: the finalists are raced in at most %d rounds, not %d",
+                 PAST_TIMEOUT_ROUNDS, config.repeats)
+        return PAST_TIMEOUT_ROUNDS
+    return config.repeats
 
 
 def _recorded_winner(runner: TrialRunner) -> Winner | None:
