@@ -1450,3 +1450,17 @@ def test_compiled_finalists_are_compiled_for_the_grad_mode_eval_fn_calls_them_in
     result = autotune(model, config(tmp_path, engines=["inductor"]), eval_fn, x, measurer=CompiledIsFaster())
     evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
     assert result.engine == "inductor" and not any("eval_fn failed" in outcome for outcome in evaluated.values())
+
+
+def test_no_first_compile_starts_within_seconds_of_the_timeout():
+    """One begun a second before it was stopped "after 0 s", having built nothing, and said the timeout passed
+    while it compiled."""
+    import time
+
+    from autotune.search.finalists import FIRST_COMPILE_S, BuildDeadline
+    near, far = BuildDeadline(time.monotonic() + FIRST_COMPILE_S / 2), BuildDeadline(time.monotonic() + 60)
+    assert near.reached("inductor") and not far.reached("inductor")
+    assert near.why("inductor") == \
+        f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
+    near.longest_s["inductor"] = 1.0      # an engine whose compiles are known to be quick may start one then
+    assert not near.reached("inductor")

@@ -46,6 +46,8 @@ log = logging.getLogger("autotune")
 ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
 SETTLE_PASSES = 4  # passes over the compiled finalists after their first calls, until none compiles any more
 HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling engine, the finalist for its knobs
+FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first says how long its take: none starts
+                        # nearer the timeout (one begun 1 s before it was stopped "after 0 s", having built nothing)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class BuildDeadline:
     longest_s: dict[str, float] = field(default_factory=dict)
 
     def reached(self, engine: str) -> bool:
-        return self.at is not None and time.monotonic() + self.longest_s.get(engine, 0.0) >= self.at
+        return self.at is not None and time.monotonic() + self.longest_s.get(engine, FIRST_COMPILE_S) >= self.at
 
     def bounding(self) -> AbstractContextManager[None]:
         """The block, stopped (CompileTimedOut, from _ready) where it is still running at the timeout: a compile
@@ -79,9 +81,12 @@ class BuildDeadline:
         return interrupted_after(self.at - time.monotonic(), _PastTimeout)
 
     def why(self, engine: str) -> str:
-        return "the run's timeout " + ("has passed" if time.monotonic() >= self.at else
-                                       f"is nearer than the {engine} engine's longest compile so far "
-                                       f"({self.longest_s.get(engine, 0.0):.0f} s)")
+        if time.monotonic() >= self.at:
+            return "the run's timeout has passed"
+        if engine not in self.longest_s:
+            return f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
+        return (f"the run's timeout is nearer than the {engine} engine's longest compile so far "
+                f"({self.longest_s[engine]:.0f} s)")
 
     def note(self, finalist: Finalist) -> None:
         if finalist.runnable is not finalist.built:
