@@ -261,3 +261,20 @@ def test_an_allow_pattern_matches_a_top_level_modules_path_read_with_a_dot():
         check_allowed(job, ("mypkg.scores*",))
     with pytest.raises(JobRefused, match="os:system"):
         check_allowed({"model": {"factory": "os:system"}}, ("mypkg.*",))
+
+
+def test_jobs_gives_a_reason_too_long_for_its_table_in_full_below_it(tmp_path):
+    """The table cut a failed job's reason mid-word, and nothing showed the rest."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    from autotune.cli.service_commands import REASON_WIDTH
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    queue = JobQueue(open_storage(url))
+    long_reason = "eval_fn failed at the fp32 baseline: " + "the dataset server answered 503 " * 5
+    assert len(long_reason) > REASON_WIDTH
+    queue.end(queue.submit("model: {}", str(tmp_path), "long.yaml"), "failed", long_reason)
+    queue.end(queue.submit("model: {}", str(tmp_path), "short.yaml"), "failed", "a short reason")
+    listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
+    assert f"job 1: {long_reason}" in listed and long_reason[:REASON_WIDTH - 1] + "…" in listed
+    assert "a short reason" in listed and "job 2:" not in listed

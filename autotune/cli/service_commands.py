@@ -66,18 +66,26 @@ def _progress(storage, study_name: str | None) -> tuple[str, str]:
     return str(len(studies.evaluated_trials(study))), f"{1 / ratio:.2f}x (in trial)" if passing else "-"
 
 
+REASON_WIDTH = 100   # a job's reason in the table; a longer one is given in full below it
+
+
 @main.command()
 @storage_option
 def jobs(storage: str) -> None:
     """Jobs with their state, trials done and best speedup so far."""
     rdb = open_existing_storage(storage)
     rows = [["job", "state", "priority", "config", "submitted", "by", "study", "trials", "best", "reason"]]
+    cut: list[str] = []     # reasons too long for the table, in full below it
     for job in JobQueue(rdb).all():
         trials, best = _progress(rdb, job.study_name)
+        reason = job.reason or ""
+        if len(reason) > REASON_WIDTH:
+            cut.append(f"job {job.id}: {reason}")
+            reason = reason[:REASON_WIDTH - 1] + "…"
         rows.append([str(job.id), job.state, str(job.priority), job.config_name,
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
-                     trials, best, (job.reason or "")[:100]])
-    click.echo(table(rows) if len(rows) > 1 else f"no jobs in {shown(storage)}")
+                     trials, best, reason])
+    click.echo("\n".join([table(rows), *cut]) if len(rows) > 1 else f"no jobs in {shown(storage)}")
 
 
 @main.command()
