@@ -325,5 +325,5 @@ class TrialRunner:
         self.evaluated = view.evaluated
         self.stale = view.stale
         self.unguided_in_flight = view.unguided_in_flight
-        self.trial_s = view.trial_s
+        self.longest_trial_s = view.longest_trial_s
         return view

@@ -11,7 +11,6 @@ import itertools
 import json
 import logging
 import math
-import statistics
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +210,7 @@ class TrialsView:
     taken: frozenset[str] = frozenset()   # plans of queued and running trials: their outcomes are coming
     unguided_in_flight: int = 0       # queued and running trials outside the guided phase: stale ones to come
     running: int = 0                  # trials some process is running now (or was, until its heartbeat is checked)
-    trial_s: float = 0.0              # the median evaluated trial's wall time: eval_fn and timing (0: none yet)
+    longest_trial_s: float = 0.0      # the longest evaluated trial's wall time: eval_fn and timing (0: none yet)
 
 
 def view_trials(study: optuna.Study) -> TrialsView:
@@ -234,7 +233,7 @@ def view_trials(study: optuna.Study) -> TrialsView:
                 failed.add(trial_plan_key(trial))
     took = [(t.datetime_complete - t.datetime_start).total_seconds() for t in done if t.datetime_start]
     return TrialsView(finished, failed, waiting, len(done), stale_trials(done), frozenset(taken - {None}),
-                      unguided_in_flight, running, statistics.median(took) if took else 0.0)
+                      unguided_in_flight, running, max(took, default=0.0))
 
 
 def stale_trials(evaluated: list[FrozenTrial]) -> int:
