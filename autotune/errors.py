@@ -53,9 +53,10 @@ class ConfigError(AutotuneError, ValueError):
         self.errors = errors or []
 
     @classmethod
-    def from_validation(cls, exc, model_name: str) -> ConfigError:
+    def from_validation(cls, exc, model_name: str, hints: dict[str, str] | None = None) -> ConfigError:
         """From a pydantic ValidationError: one (dotted field path, message) pair per error, the message naming the
-        value given where it is a plain one the message does not show; one line for one error."""
+        value given where it is a plain one the message does not show, and an unknown field's `hints` entry (by its
+        name: what to use instead); one line for one error."""
         errors = []
         for err in exc.errors():
             path = ".".join(str(part) for part in err["loc"]) or model_name
@@ -63,6 +64,8 @@ class ConfigError(AutotuneError, ValueError):
             if err["type"] not in ("missing", "extra_forbidden") and isinstance(given, (str, int, float)) \
                     and str(given) not in message:
                 message += f" (got {given!r})"
+            if err["type"] == "extra_forbidden" and err["loc"] and str(err["loc"][-1]) in (hints or {}):
+                message += f"; {hints[str(err['loc'][-1])]}"
             errors.append((path, message))
         if len(errors) == 1:
             return cls(f"invalid {model_name}: {errors[0][0]}: {errors[0][1]}", errors)

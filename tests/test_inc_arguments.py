@@ -145,3 +145,13 @@ def test_a_yaml_calibration_that_builds_no_run_fn_and_a_refused_one_say_so():
     with pytest.raises(JobRefused, match="calibration.run_fn: os:system"):
         check_allowed({"model": {"factory": "autotune.workloads.mnist:model"},
                        "calibration": {"run_fn": "os:system"}}, ("autotune.workloads.*",))
+
+
+@pytest.mark.parametrize(("field", "instead"), [("sampler", "the search chooses its own plans"),
+                                                ("accuracy_criterion", "write tolerable_loss, loss_kind"),
+                                                ("tuning_criterion", "write max_trials, timeout")])
+def test_an_inc_field_with_no_place_here_says_what_to_write_instead(field, instead):
+    with pytest.raises(ConfigError, match=rf"{field}: Extra inputs are not permitted; {instead}"):
+        TuningConfig(**{field: "default"})
+    with pytest.raises(ConfigError, match=rf"{field}: Extra inputs are not permitted; {instead}"):
+        TuningConfig.from_mapping({field: {}})

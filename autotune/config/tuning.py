@@ -40,6 +40,15 @@ def _known_dtype(name: str) -> str:
 DtypeName = Annotated[str, AfterValidator(_known_dtype)]
 
 
+# Intel Neural Compressor's fields this config has no place for, with what to write instead.
+INC_FIELDS = {
+    "sampler": "the search chooses its own plans (guided by measured per-module costs, then TPE): leave it out",
+    "accuracy_criterion": "write tolerable_loss, loss_kind ('relative' or 'absolute') and higher_is_better instead",
+    "tuning_criterion": "write max_trials, timeout and objective instead",
+    "quant_level": "leave it out: every dtype in config_set is searched per module",
+}
+
+
 class StrictModel(BaseModel):
     """Rejects unknown fields. `from_mapping` turns pydantic's error into ConfigError naming each bad field's
     full path; `context` reaches every nested model's validators (file configs pass their folder in it)."""
@@ -61,7 +70,7 @@ class StrictModel(BaseModel):
         try:
             return cls.model_validate(data, context=context)
         except ValidationError as exc:
-            raise ConfigError.from_validation(exc, name) from None
+            raise ConfigError.from_validation(exc, name, INC_FIELDS) from None
 
 
 class _RaisesConfigError(type(BaseModel)):
@@ -72,7 +81,7 @@ class _RaisesConfigError(type(BaseModel)):
         try:
             return super().__call__(*args, **kwargs)
         except ValidationError as exc:
-            raise ConfigError.from_validation(exc, cls.__name__) from None
+            raise ConfigError.from_validation(exc, cls.__name__, INC_FIELDS) from None
 
 
 class ConfigModel(StrictModel, metaclass=_RaisesConfigError):
