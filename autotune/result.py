@@ -48,6 +48,10 @@ class TuningResult:
     knobs: tuple[str, ...] = ()   # model-level knobs `model` runs with: autotune.engines.knobs
     held: str = "fp32"       # the dtype the model was handed over in: what the baseline and the plan's "fp32" hold
 
+    def __call__(self, *args, **kwargs):
+        raise TypeError("autotune returns a TuningResult, not the model: call result.model (INC's autotune returns "
+                        "the tuned model itself)")
+
     @property
     def speedup(self) -> float:
         """fp32 latency / tuned latency; with several shapes, 1 / the weighted mean of their latency ratios."""

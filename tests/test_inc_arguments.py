@@ -155,3 +155,13 @@ def test_an_inc_field_with_no_place_here_says_what_to_write_instead(field, inste
         TuningConfig(**{field: "default"})
     with pytest.raises(ConfigError, match=rf"{field}: Extra inputs are not permitted; {instead}"):
         TuningConfig.from_mapping({field: {}})
+
+
+def test_the_result_called_as_inc_users_call_their_model_says_where_the_model_is(storage):
+    """INC's autotune returns the tuned model; `q_model(x)` on ours said only "'TuningResult' object is not
+    callable"."""
+    model = small_model()
+    result = autotune(model, config(storage), lambda m: 1.0, EVAL_BATCHES[0], measurer=HalfCostMeasurer(NAMES))
+    with pytest.raises(TypeError, match=r"call result.model \(INC's autotune returns the tuned model itself\)"):
+        result(EVAL_BATCHES[0])
+    assert result.model(EVAL_BATCHES[0]).shape == (16, 4)
