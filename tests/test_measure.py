@@ -119,7 +119,7 @@ def _module_latency(monkeypatch, sleeps: dict[str, float], first_s: dict[str, fl
     monkeypatch.setattr(_Counted, "started", set())
     monkeypatch.setattr(per_module, "lower_module", lambda module, dtype, calibration: _Counted(
         module, sleeps[dtype], calls, dtype, first_s.get(dtype, 0.0)))
-    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(modules)))
+    model = nn.Sequential(*(nn.Linear(64, 64 + index) for index in range(modules)))   # not twins: each is timed
     candidates = {str(index): list(sleeps) for index in range(modules)}
     calibration = {name: ((torch.randn(8, 64),), {}) for name in candidates}
     return per_module.module_latency(model, candidates, calibration, repeats=15, num_threads=1), calls
@@ -133,6 +133,28 @@ def test_a_dtype_many_times_slower_than_fp32_is_costed_from_one_or_two_calls_not
     assert calls["bf16"] == 2 + 1
     assert calls["int8"] > 2 * 3 * MIN_ROUNDS      # the others are timed in interleaved rounds of blocks
     assert all(timings[name]["int8"] < 1.0 for name in timings)
+
+
+def test_modules_of_one_type_weight_shapes_and_inputs_are_timed_once(monkeypatch, caplog):
+    """A BERT-base's 72 encoder Linears are four kinds: timing each alone took most of the per-module timing."""
+    import collections
+    import logging
+
+    from autotune.measure import module_latency as per_module
+    calls = collections.Counter()
+    monkeypatch.setattr(_Counted, "started", set())
+    monkeypatch.setattr(per_module, "lower_module", lambda module, dtype, calibration: _Counted(
+        module, 0.0, calls, (dtype, module.out_features, calibration[0][0].shape[0]), 0.0))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 64))
+    candidates = {str(index): ["int8", "fp32"] for index in range(4)}
+    rows = {"0": 8, "1": 8, "2": 8, "3": 4}     # the last sees other inputs
+    calibration = {name: ((torch.randn(rows[name], 64),), {}) for name in candidates}
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        timings = per_module.module_latency(model, candidates, calibration, repeats=3, num_threads=1)
+    assert {kind for kind, _, _ in calls} == {"int8", "fp32"}
+    assert {(out, rows) for _, out, rows in calls} == {(64, 8), (32, 8), (64, 4)}   # "1" is "0"'s twin
+    assert timings["1"] == timings["0"] and set(timings) == set(candidates)
+    assert "4 modules timed alone as 3 kinds" in caplog.text
 
 
 def test_a_slow_first_use_of_a_dtype_does_not_prune_it(monkeypatch):

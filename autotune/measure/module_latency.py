@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.capture import failure_of
 from autotune.measure.latency import measure_latency, timed_call_ms
 from autotune.plan import apply_plan, lower_module, uniform_plan
+from autotune.tree import map_tensors
 
 HOPELESS_RATIO = 2.0   # a dtype this many times slower than fp32 on a module pays off nowhere: not timed in rounds
 HOPELESS_MIN_MS = 1.0  # ... judged from one call only where it takes this long: a shorter one is too noisy
@@ -39,8 +41,14 @@ def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibrati
     verdict, since the search prunes any dtype slower than fp32."""
     timings: dict[str, dict[str, float]] = {}
     ran: set[str] = set()   # dtypes called on an earlier module
+    twins: dict[tuple, str] = {}   # what decides a module's cost -> the first module timed with it
     for name, dtypes in candidates.items():
         original, inputs = model.get_submodule(name), calibration[name]
+        key = _cost_key(original, inputs, dtypes)
+        if key in twins:   # a repeated block's twin: its cost is measured once (a BERT-base's 72 Linears: 4 shapes)
+            timings[name] = dict(timings[twins[key]])
+            continue
+        twins[key] = name
         variants = {dtype: lower_module(original, dtype, inputs) for dtype in dtypes}
         hopeless, first, warm = {}, {}, {}
         for dtype in sorted(dtypes, key=lambda d: d != "fp32"):   # fp32 first: the bars are relative to it
@@ -56,7 +64,20 @@ def module_latency(model: nn.Module, candidates: dict[str, list[str]], calibrati
                                 warmup=0, repeats=repeats, num_threads=num_threads)
         timings[name] = {dtype: hopeless[dtype] if dtype in hopeless else stats[dtype].median_ms
                          for dtype in dtypes}
+    if len(twins) < len(timings):
+        log.info("%d modules timed alone as %d kinds: modules of one type, weight shapes and inputs cost alike",
+                 len(timings), len(twins))
     return timings
+
+
+def _cost_key(module: nn.Module, inputs: CallInputs, dtypes: list[str]) -> tuple:
+    """What a module's cost alone depends on: its type and settings, its parameters' and buffers' shapes and
+    dtypes, the shapes, dtypes and layout of its inputs (and their other arguments), and the dtypes timed."""
+    def leaf(tensor: torch.Tensor) -> tuple:
+        return tuple(tensor.shape), tensor.dtype, tensor.is_contiguous(), tensor.device.type
+
+    held = tuple((name, *leaf(tensor)) for name, tensor in (*module.named_parameters(), *module.named_buffers()))
+    return type(module), module.extra_repr(), held, repr(map_tensors(inputs, leaf)), tuple(dtypes)
 
 
 def _past(call_ms: dict[str, float], dtype: str, ratio: float, min_ms: float) -> bool:
