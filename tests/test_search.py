@@ -216,5 +216,27 @@ def test_no_trial_starts_that_the_longest_trial_so_far_says_would_end_past_the_d
             {}, {}, number))
     assert view_trials(study).longest_trial_s == pytest.approx(30.0)
     budget = Budget(max_trials=100, deadline=time.monotonic() + 20)
-    assert budget.spent(SimpleNamespace(evaluated=4, longest_trial_s=9.0)) is None
-    assert budget.spent(SimpleNamespace(evaluated=4, longest_trial_s=25.0)) == TIMEOUT_REACHED
+    assert budget.spent(SimpleNamespace(evaluated=4, trial_s=9.0)) is None
+    assert budget.spent(SimpleNamespace(evaluated=4, trial_s=25.0)) == TIMEOUT_REACHED
+
+
+def test_before_any_trial_the_baselines_eval_fn_call_says_how_long_a_trial_takes(tmp_path):
+    """The first trial had no other to go by, and one begun just before the search's deadline ran on past it."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.tuner import start_runner
+
+    def slow_eval(model):
+        time.sleep(0.3)
+        return 1.0
+
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          storage=f"sqlite:///{tmp_path}/b.db", study_name="b")
+    runner = start_runner(nn.Sequential(nn.Linear(4, 4)).eval(), config, slow_eval, torch.randn(2, 4))
+    runner.refresh()
+    assert runner.longest_trial_s == 0.0 and runner.trial_s >= 0.3
+    assert runner.study.user_attrs["autotune.baseline_eval_s"] >= 0.3

@@ -22,7 +22,8 @@ TIMEOUT_REACHED = "timeout reached"
 @dataclass
 class Budget:
     """What the search may still spend: evaluations (all processes' together) and time (no trial starts that the
-    study's longest trial so far says would end past `deadline`), unless told to stop."""
+    study's longest trial so far, or its baseline's eval_fn call, says would end past `deadline`), unless told
+    to stop."""
     max_trials: int
     deadline: float        # time.monotonic() after which no trial starts
     should_stop: Callable[[], str | None] | None = None    # a reason to stop now (e.g. the job was cancelled)
@@ -38,7 +39,7 @@ class Budget:
         # A trial started where one as long as the longest so far would end past the deadline ran on past it (a
         # passing trial is timed too: a BERT-base's took 93 s where failing ones took 2-12 s): on a BERT-base, 88 s
         # into the quarter of the timeout kept for the compiling engines, which then built nothing.
-        if time.monotonic() + runner.longest_trial_s >= self.deadline:
+        if time.monotonic() + runner.trial_s >= self.deadline:
             return TIMEOUT_REACHED
         return self.should_stop() if self.should_stop is not None else None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -102,8 +103,9 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         stored = studies.get_attr(study, studies.BASELINE_ATTR)
         if stored is not None:
             return stored, None
-        how = HowCalled()
+        how, started = HowCalled(), time.perf_counter()
         baseline, batches = evaluate_baseline(fp32, eval_fn, config, how, captures_inputs)
+        studies.set_attr(study, studies.BASELINE_EVAL_S_ATTR, round(time.perf_counter() - started, 3))
         studies.set_attr(study, OWN_CALLERS_ATTR, sorted(how.own_callers))
         if not config.latency_inputs:
             _choose_timed_calls(study, config, how, fp32, batches if captures_inputs else None)

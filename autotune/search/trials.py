@@ -115,10 +115,17 @@ class TrialRunner:
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}
         self.failed: set[str] = set()
+        self.baseline_eval_s = 0.0
         self.refresh()
         self.eval_calls = 0
         self._last: FrozenTrial | None = None
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    @property
+    def trial_s(self) -> float:
+        """How long a trial is taken to last, as of the last read of the study: the longest evaluated so far, and no
+        less than the baseline's eval_fn call (the first trial has no other to go by)."""
+        return max(self.longest_trial_s, self.baseline_eval_s)
 
     @property
     def baseline(self) -> float:
@@ -326,4 +333,6 @@ class TrialRunner:
         self.stale = view.stale
         self.unguided_in_flight = view.unguided_in_flight
         self.longest_trial_s = view.longest_trial_s
+        if not self.baseline_eval_s:   # stored once the baseline is evaluated, by whichever worker did
+            self.baseline_eval_s = studies.get_attr(self.study, studies.BASELINE_EVAL_S_ATTR) or 0.0
         return view

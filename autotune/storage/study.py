@@ -30,6 +30,7 @@ ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
 BASELINE_ATTR = "baseline_accuracy"    # the fp32 model's eval_fn score (autotune.search.scores)
+BASELINE_EVAL_S_ATTR = "baseline_eval_s"   # the seconds its eval_fn call took: the least a trial takes
 BEST_RECORDED_WITH = "recorded_with"   # in `best`: the study's evaluated trials, the engines and knobs configured
 
 HELD_DTYPE_ATTR = "held_dtype"          # the dtype the model was handed over in: what its plans' "fp32" keeps
