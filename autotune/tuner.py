@@ -309,12 +309,15 @@ def _first_call(fp32: nn.Module, candidates: dict[str, list[str]], probe: CallIn
 def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | None] | None = None) -> str:
     """Runs trials until the budget (max_trials, timeout, patience) is spent, all processes sharing it, or
     `should_stop` gives a reason. Returns why the search stopped."""
-    timeout, setup_s = runner.config.timeout, time.monotonic() - started
-    share = 1.0 if set(runner.config.engines) == {"eager"} else SEARCH_SHARE
-    if timeout is not None and setup_s >= share * timeout:   # the baseline and the per-module signals are not cut
-        log.warning("the search's part of the run's timeout (%g of %g s) passed before it began: the baseline and "
-                    "the per-module timings took %.0f s, so this run tries no plan; a longer timeout lets it",
-                    share * timeout, timeout, setup_s)
+    timeout = runner.config.timeout
+    if timeout is not None and runner.baseline is not None:   # with a timeout, the baseline first (else evaluated
+        runner.refresh()      # in the first trial, alongside): its eval_fn call says how long a trial takes
+    setup_s, share = time.monotonic() - started, 1.0 if set(runner.config.engines) == {"eager"} else SEARCH_SHARE
+    if timeout is not None and setup_s + runner.trial_s >= share * timeout:   # the set-up is not cut short
+        log.warning("the search's part of the run's timeout (%g of %g s) %s: the baseline and the per-module timings "
+                    "took %.0f s, and a trial takes about %.0f s, so this run tries no plan; a longer timeout lets it",
+                    share * timeout, timeout, "passed before it began" if setup_s >= share * timeout else
+                    "leaves no time for a trial", setup_s, runner.trial_s)
     reason = run_search(runner, runner.config, started + share * (timeout or math.inf), should_stop)
     if reason == TIMEOUT_REACHED and share < 1.0:
         reason = f"its part of the timeout reached ({share * timeout:g} of {timeout:g} s; the rest is the finalists')"

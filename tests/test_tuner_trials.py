@@ -300,6 +300,22 @@ def test_a_timeout_spent_before_the_search_began_is_said_as_a_warning(storage, c
                                                  "before it began: the baseline and the per-module timings took ")
 
 
+def test_a_timeout_that_leaves_no_time_for_a_trial_is_said_as_a_warning(storage, caplog):
+    """A trial as long as the baseline's eval_fn call would end past the search's part of the timeout: none
+    starts, and the run says why."""
+    def slow_eval(model):
+        time.sleep(3.0)
+        return 1.0
+
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          max_trials=8, repeats=3, timeout=5.0, storage=storage)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(nn.Sequential(nn.Linear(4, 4)).eval(), config, slow_eval, example_inputs=torch.randn(2, 4))
+    assert not [t for t in result.study.trials if t.user_attrs.get("evaluated")]
+    assert "the search's part of the run's timeout (5 of 5 s) leaves no time for a trial: the baseline and the " \
+           "per-module timings took 3 s, and a trial takes about 3 s, so this run tries no plan" in caplog.text
+
+
 @pytest.mark.parametrize("engines, part", [(["eager"], 1.0), (["eager", "inductor"], 0.75)])
 def test_with_a_compiling_engine_the_search_leaves_a_quarter_of_the_timeout_to_the_finalists(engines, part, storage,
                                                                                              monkeypatch):
