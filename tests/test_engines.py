@@ -1464,3 +1464,21 @@ def test_no_first_compile_starts_within_seconds_of_the_timeout():
         f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
     near.longest_s["inductor"] = 1.0      # an engine whose compiles are known to be quick may start one then
     assert not near.reached("inductor")
+
+
+def test_a_finished_study_run_again_builds_only_its_recorded_compiled_winner(tmp_path, monkeypatch):
+    from autotune.search import finalists as finals
+    model, x = mlp(), batches(1)[0][0][0]
+    first = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    assert first.engine == "compiled"
+    ready, built = finals._ready, []
+
+    def counted(*args, **kwargs):
+        built.append(kwargs["name"])
+        return ready(*args, **kwargs)
+
+    monkeypatch.setattr(finals, "_ready", counted)
+    again = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    assert (again.engine, again.plan, again.eval_calls) == ("compiled", first.plan, 0)
+    assert built == [first.study.user_attrs["autotune.best"]["finalist"]] and is_compiled(again.model)
+    assert again.speedup == pytest.approx(2.5)

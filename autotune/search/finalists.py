@@ -141,7 +141,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     return found
 
 
-def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]) -> Finalist:
+def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...], name: str) -> Finalist:
     """One plan built again in `engine` with `knobs` (read back from the study's compile cache where it holds it),
     called until it compiles nothing more.
 
@@ -151,8 +151,8 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
     compiling = engine != "eager"
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
-                      name=engine, compiling=BuildDeadline(None) if compiling else None)
-    if not _settled({engine: finalist}, runner):
+                      name=name, compiling=BuildDeadline(None) if compiling else None)
+    if not _settled({name: finalist}, runner):
         raise EngineUnavailable(f"{engine}: a call after its first failed")
     return finalist
 
