@@ -77,6 +77,10 @@ class TuningResult:
         lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
                  f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
+        medians = self.best.latency.median_ms / self.baseline.latency.median_ms
+        if len(self.shapes) <= 1 and (medians - 1) * (1 / self.speedup - 1) < 0:
+            lines.insert(2, "the medians above disagree with the speedup: it is the median of per-round ratios, "
+                            "fp32 and the tuned model timed in each round, which a busy host's swings leave alone")
         if len(self.shapes) > 1:
             lines.insert(1, table([("shape", "weight", "fp32 ms", "tuned ms", "speedup"),
                                    *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),

@@ -236,3 +236,21 @@ def test_the_summary_says_how_far_off_a_speedup_timed_noisily_may_be():
     assert "speedup 2.00x   plan" in result([5.0, 5.0, 5.1, 4.9, 5.0]).summary()
     noisy = result([2.0, 8.0, 5.0, 3.0, 9.0]).summary()
     assert "speedup 2.00x (±" in noisy and " %: noisy timing)   plan" in noisy
+
+
+def test_the_summary_says_why_its_medians_can_disagree_with_the_speedup():
+    """A GPT-2's summary showed the tuned median above fp32's on the row above "speedup 1.08x", with no word why."""
+    from types import SimpleNamespace
+
+    from autotune.measure.latency import LatencyStats
+    from autotune.result import Measurement, TuningResult
+
+    def result(fp32_samples, best_samples):
+        fp32, best = (LatencyStats(sorted(samples)[2], 0.0, 5, tuple(samples))
+                      for samples in (fp32_samples, best_samples))
+        return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
+                            SimpleNamespace(study_name="s"), 3, 3, 1.0)
+    # Round by round the tuned model ran at 0.9 of fp32; the busy rounds fell on its samples more.
+    busy = result([10.0, 20.0, 10.0, 30.0, 10.0], [9.0, 18.0, 27.0, 27.0, 9.0]).summary()
+    assert "speedup 1.11x" in busy and "the medians above disagree with the speedup" in busy
+    assert "disagree" not in result([10.0] * 5, [9.0] * 5).summary()
