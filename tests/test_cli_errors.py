@@ -254,3 +254,14 @@ def test_a_factory_argument_that_is_one_variable_takes_its_number_and_a_config_f
             "tuning": {"study_name": "${AUTOTUNE_TEST_BATCH}"}}
     assert expand_env_everywhere(data) == {"evaluation": {"kwargs": {"batch": 64, "sleep": 0.01, "name": "run-64"}},
                                            "tuning": {"study_name": "64"}}
+
+
+def test_export_of_a_study_whose_baseline_was_never_scored_says_so(tmp_path):
+    """It said "tuning has not finished" of a study whose eval_fn had failed at the fp32 baseline, which no waiting
+    finishes."""
+    import optuna
+    url = f"sqlite:///{tmp_path}/s.db"
+    optuna.create_study(study_name="broken", storage=url)
+    assert_one_error_line(run("export", "broken", "--storage", url), 2,
+                          "has no best plan yet (its fp32 baseline was never scored: eval_fn failed on it")
+    assert "its fp32 baseline was never scored" in run("show", "broken", "--storage", url).output

@@ -172,7 +172,7 @@ def show(study_name: str, storage: str) -> None:
     click.echo(f"baseline accuracy {formatted(studies.get_attr(study, studies.BASELINE_ATTR))}")
     best = studies.get_attr(study, "best")
     if best is None:
-        click.echo("no best plan recorded yet (tuning has not finished)")
+        click.echo(f"no best plan recorded yet ({_why_no_best(study)})")
         return
     click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
                f"{summarize(best['plan'])}{_runs_as(best)}")
@@ -202,6 +202,14 @@ def _per_shape(by_shape: dict | None) -> str:
     return " · ".join(f"{name} {timing['ratio']:.3f}" for name, timing in by_shape.items()) if by_shape else "-"
 
 
+def _why_no_best(study: optuna.Study) -> str:
+    """Why a study has no best plan: its baseline was never scored (its eval_fn failed there, or the run stopped
+    before it), or its tuning has not finished."""
+    if studies.get_attr(study, studies.BASELINE_ATTR) is None:
+        return "its fp32 baseline was never scored: eval_fn failed on it, or the run stopped before; tune it again"
+    return "tuning has not finished; the same tune command resumes it"
+
+
 @main.command()
 @click.argument("study_name", metavar="STUDY")
 @storage_option
@@ -214,7 +222,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     study = load_study(study_name, storage)
     best = studies.get_attr(study, "best")
     if best is None:
-        raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet (tuning has not finished)")
+        raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet ({_why_no_best(study)})")
     data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
