@@ -265,3 +265,5 @@ def test_export_of_a_study_whose_baseline_was_never_scored_says_so(tmp_path):
     assert_one_error_line(run("export", "broken", "--storage", url), 2,
                           "has no best plan yet (its fp32 baseline was never scored: eval_fn failed on it")
     assert "its fp32 baseline was never scored" in run("show", "broken", "--storage", url).output
+    assert run("report", "broken", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
+    assert "its fp32 baseline was never scored" in (tmp_path / "r.html").read_text()

@@ -169,10 +169,11 @@ def show(study_name: str, storage: str) -> None:
                      formatted(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
-    click.echo(f"baseline accuracy {formatted(studies.get_attr(study, studies.BASELINE_ATTR))}")
+    baseline = studies.get_attr(study, studies.BASELINE_ATTR)
+    click.echo(f"baseline accuracy {formatted(baseline)}")
     best = studies.get_attr(study, "best")
     if best is None:
-        click.echo(f"no best plan recorded yet ({_why_no_best(study)})")
+        click.echo(f"no best plan recorded yet ({studies.why_no_best(baseline)})")
         return
     click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
                f"{summarize(best['plan'])}{_runs_as(best)}")
@@ -202,14 +203,6 @@ def _per_shape(by_shape: dict | None) -> str:
     return " · ".join(f"{name} {timing['ratio']:.3f}" for name, timing in by_shape.items()) if by_shape else "-"
 
 
-def _why_no_best(study: optuna.Study) -> str:
-    """Why a study has no best plan: its baseline was never scored (its eval_fn failed there, or the run stopped
-    before it), or its tuning has not finished."""
-    if studies.get_attr(study, studies.BASELINE_ATTR) is None:
-        return "its fp32 baseline was never scored: eval_fn failed on it, or the run stopped before; tune it again"
-    return "tuning has not finished; the same tune command resumes it"
-
-
 @main.command()
 @click.argument("study_name", metavar="STUDY")
 @storage_option
@@ -220,10 +213,11 @@ def _why_no_best(study: optuna.Study) -> str:
 def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> None:
     """The best plan of STUDY (input of `apply`)."""
     study = load_study(study_name, storage)
-    best = studies.get_attr(study, "best")
+    best, baseline = studies.get_attr(study, "best"), studies.get_attr(study, studies.BASELINE_ATTR)
     if best is None:
-        raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet ({_why_no_best(study)})")
-    data = {"study": study_name, "baseline_accuracy": studies.get_attr(study, studies.BASELINE_ATTR),
+        raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet "
+                       f"({studies.why_no_best(baseline)})")
+    data = {"study": study_name, "baseline_accuracy": baseline,
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
     if NOISE_KEY in best:   # how far off the speedup may be: its timing was noisy

@@ -80,7 +80,8 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
     """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. `held`: the dtype
     the model was handed over in (a plan's "fp32" keeps a module in it)."""
     if chosen is None:
-        return "<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: the tuning run has not finished.</p>"
+        return (f"<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: {studies.why_no_best(baseline)}."
+                "</p>")
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")

@@ -260,3 +260,11 @@ def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
 def recorded_with(study: optuna.Study, config: TuningConfig) -> dict:
     """What a `best` recorded now is recorded with: it stands for a run that has as much (winner._recorded_winner)."""
     return {"trials": len(evaluated_trials(study)), "engines": list(config.engines), "knobs": list(config.knobs)}
+
+
+def why_no_best(baseline: float | None) -> str:
+    """Why a study with this baseline score (BASELINE_ATTR) has no best plan: its baseline was never scored (its
+    eval_fn failed there, or the run stopped before it), or its tuning has not finished."""
+    if baseline is None:
+        return "its fp32 baseline was never scored: eval_fn failed on it, or the run stopped before; tune it again"
+    return "tuning has not finished; the same tune command resumes it"
