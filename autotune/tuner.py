@@ -341,13 +341,13 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
         held=held_dtype(runner.fp32))
-    noisy = result.noisy_shapes()
+    noisy, recorded_with = result.noisy_shapes(), studies.recorded_with(result.trials_evaluated, runner.config)
     if not winner.recorded:   # a recorded best built again keeps its figures: `autotune bench` times it anew
         studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                          "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
                                          "knobs": list(winner.knobs), "finalist": winner.name,
                                          "speedup_by_shape": {shape.name: shape.speedup for shape in shapes},
-                                         studies.BEST_RECORDED_WITH: studies.recorded_with(study, runner.config),
+                                         studies.BEST_RECORDED_WITH: recorded_with,
                                          **({NOISE_KEY: max(noisy.values())} if noisy else {})})
     if noisy:
         log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "

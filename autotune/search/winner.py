@@ -125,7 +125,8 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     raced its finalists anew, and on a busy host each run returned another plan and spent an eval_fn call
     re-evaluating it. None where there is none to reuse, or it no longer builds (logged)."""
     best = studies.get_attr(runner.study, "best")
-    if not best or best.get(studies.BEST_RECORDED_WITH) != studies.recorded_with(runner.study, runner.config):
+    trials = len(studies.evaluated_trials(runner.study))
+    if not best or best.get(studies.BEST_RECORDED_WITH) != studies.recorded_with(trials, runner.config):
         return None
     name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
     log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "

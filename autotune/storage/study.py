@@ -257,9 +257,10 @@ def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
                   key=lambda t: t.values[0])
 
 
-def recorded_with(study: optuna.Study, config: TuningConfig) -> dict:
-    """What a `best` recorded now is recorded with: it stands for a run that has as much (winner._recorded_winner)."""
-    return {"trials": len(evaluated_trials(study)), "engines": list(config.engines), "knobs": list(config.knobs)}
+def recorded_with(trials_evaluated: int, config: TuningConfig) -> dict:
+    """What a `best` recorded now, with the study's `trials_evaluated`, is recorded with: it stands for a run that has
+    as much (winner._recorded_winner)."""
+    return {"trials": trials_evaluated, "engines": list(config.engines), "knobs": list(config.knobs)}
 
 
 def why_no_best(baseline: float | None) -> str:
