@@ -74,6 +74,20 @@ def test_channels_last_lays_out_the_4d_weights_of_a_model_that_also_holds_5d_one
     assert changed.head.weight.dim() == 5 and model.stem.weight.is_contiguous()
 
 
+def test_channels_last_restrides_a_one_channel_stem_as_module_to_does():
+    """A (32, 1, 3, 3) weight is channels_last-contiguous in NCHW's strides too; convolutions pick their layout from
+    the strides, so the grayscale stem stayed NCHW and the model converted layouts after it."""
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).eval()
+    changed = KNOBS["channels_last"].apply(model)
+    for name, weight in changed.named_parameters():
+        if weight.dim() == 4:
+            expected = torch.empty_like(weight, memory_format=torch.channels_last).stride()
+            assert weight.stride() == expected, name
+    x = torch.randn(2, 1, 12, 12)
+    with torch.no_grad():
+        assert torch.allclose(changed(x), model(x), atol=1e-5)
+
+
 def test_fold_bn_is_not_tried_where_the_engine_folds_batchnorms_itself():
     from autotune.engines import Calibration, realise
 
