@@ -216,8 +216,23 @@ def test_no_trial_starts_that_the_longest_trial_so_far_says_would_end_past_the_d
             {}, {}, number))
     assert view_trials(study).longest_trial_s == pytest.approx(30.0)
     budget = Budget(max_trials=100, deadline=time.monotonic() + 20)
-    assert budget.spent(SimpleNamespace(evaluated=4, trial_s=9.0)) is None
-    assert budget.spent(SimpleNamespace(evaluated=4, trial_s=25.0)) == TIMEOUT_REACHED
+    assert budget.spent(SimpleNamespace(evaluated=4, in_flight=0, trial_s=9.0)) is None
+    assert budget.spent(SimpleNamespace(evaluated=4, in_flight=0, trial_s=25.0)) == TIMEOUT_REACHED
+
+
+def test_trials_under_way_count_against_max_trials():
+    """Counted only once ended, four workers each started one more trial at the budget's last step, and a dead
+    worker's plan, queued again, ran after the stop: 9 evaluated of max_trials 8."""
+    import time
+    from types import SimpleNamespace
+
+    from autotune.search.driver import Budget
+
+    budget = Budget(max_trials=8, deadline=time.monotonic() + 60)
+    assert budget.spent(SimpleNamespace(evaluated=7, in_flight=0, trial_s=0.0)) is None
+    assert budget.spent(SimpleNamespace(evaluated=7, in_flight=1, trial_s=0.0)) == \
+        "max_trials (8) evaluated trials reached"
+    assert budget.spent(SimpleNamespace(evaluated=5, in_flight=3, trial_s=0.0)) is not None
 
 
 def test_before_any_trial_the_baselines_eval_fn_call_says_how_long_a_trial_takes(tmp_path):

@@ -330,6 +330,7 @@ class TrialRunner:
         self.failed |= view.failed
         self.taken = view.taken
         self.evaluated = view.evaluated
+        self.in_flight = view.waiting + view.running
         self.stale = view.stale
         self.unguided_in_flight = view.unguided_in_flight
         self.longest_trial_s = view.longest_trial_s
