@@ -4,12 +4,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+# Up to the URL's last "@": a password holding an "@" not percent-encoded is then masked whole, not to its first.
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
+UNENCODED_AT = ("; the URL holds more than one '@': characters such as @ / : # % in a password must be "
+                "percent-encoded (@ as %40, / as %2F, : as %3A, # as %23, % as %25)")
 
 
 def masked(text: str) -> str:
     """`text` with the password of any URL in it shown as ***, for messages."""
     return _PASSWORD.sub(r"\1***@", text)
+
+
+def unencoded_at(url: str) -> bool:
+    """Whether `url` holds a password with a raw "@": SQLAlchemy then reads what follows its first "@" as the host."""
+    return url.partition("://")[2].count("@") > 1
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:

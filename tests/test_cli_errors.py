@@ -44,6 +44,14 @@ def test_a_storage_url_that_does_not_parse(tmp_path):
     assert "secret" not in port.output
 
 
+def test_a_password_with_a_raw_at_sign_is_masked_whole_and_said_to_need_encoding():
+    """The part after the password's '@' was read as the host and printed ('***@ss/w%3Ard...'), with no hint."""
+    result = run("list", "--storage", "postgresql+psycopg://team2:p@ss/w:rd#1@127.0.0.1:1/studies")
+    assert_one_error_line(result, 2, "postgresql+psycopg://team2:***@127.0.0.1:1/studies",
+                          "must be percent-encoded (@ as %40")
+    assert "ss/w" not in result.output and "rd#1" not in result.output
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_an_in_memory_sqlite_storage_is_refused_as_keeping_nothing(tmp_path, url):
     # It was reported as a database briefly down ("no such table: studies; once it answers, run the command again").

@@ -13,7 +13,7 @@ import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-from autotune.errors import StorageError, describe, masked
+from autotune.errors import UNENCODED_AT, StorageError, describe, masked, unencoded_at
 
 log = logging.getLogger("autotune")
 SCHEMA_ATTEMPTS = 5
@@ -24,6 +24,8 @@ CONNECTION_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceEr
 
 def shown(url: str) -> str:
     """`url` as messages show it: with its password masked."""
+    if unencoded_at(url):   # parsed, it would show the password's part after its "@" as the host
+        return masked(url)
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
     except (sqlalchemy.exc.ArgumentError, ValueError):   # ValueError: a port that is no number
@@ -49,7 +51,8 @@ def storage_errors(url: str) -> Iterator[None]:
     except sqlalchemy.exc.DBAPIError as exc:
         reason = database_says(exc)
         kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
-        raise StorageError(f"cannot use the study storage {shown(url)}: {reason}{kept}") from None
+        hint = UNENCODED_AT if unencoded_at(url) else ""
+        raise StorageError(f"cannot use the study storage {shown(url)}: {reason}{kept}{hint}") from None
 
 
 def database_error(exc: BaseException) -> sqlalchemy.exc.DBAPIError | None:
