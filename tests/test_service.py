@@ -263,6 +263,22 @@ def test_an_allow_pattern_matches_a_top_level_modules_path_read_with_a_dot():
         check_allowed({"model": {"factory": "os:system"}}, ("mypkg.*",))
 
 
+def test_a_job_reads_its_variables_once_and_leaves_the_storage_field_to_the_worker(tmp_path, monkeypatch):
+    """`storage: ...${DB_PW}...` failed the job on a worker without DB_PW, though the worker uses its own URL; and
+    the job's variables were expanded twice, so `$$HOME` became the home folder rather than `$HOME`."""
+    from autotune.service.worker import DEFAULT_ALLOW, job_config
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.delenv("DB_PW", raising=False)
+    path = write_job(tmp_path, "cost$$HOME", {"eval_fn": "resume_workload:fidelity_eval"})
+    data = yaml.safe_load(path.read_text())
+    data["tuning"]["storage"] = "postgresql+psycopg://tuner:${DB_PW}@db-host/studies"
+    queue = JobQueue(open_storage(f"sqlite:///{tmp_path}/jobs.db"))
+    job = queue.get(queue.submit(yaml.safe_dump(data), str(tmp_path), path.name))
+    config = job_config(job, (*DEFAULT_ALLOW, "resume_workload*"))
+    assert config.tuning.study_name == "cost$HOME"
+
+
 def test_jobs_gives_a_reason_too_long_for_its_table_in_full_below_it(tmp_path):
     """The table cut a failed job's reason mid-word, and nothing showed the rest."""
     from click.testing import CliRunner

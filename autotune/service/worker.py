@@ -66,9 +66,13 @@ def job_config(job: Job, allow: tuple[str, ...]) -> FileConfig:
     """The job's config, validated on this worker once its import paths are known to be allowed (validating a
     config imports the modules it names)."""
     source = f"job {job.id} ({job.config_name})"
-    data = expand_env_everywhere(read_yaml(job.config_yaml, source))
-    check_allowed(data, allow)
-    return parse_config(data, Path(job.config_dir), source)
+    data = read_yaml(job.config_yaml, source)
+    if isinstance(data.get("tuning"), dict):
+        # The worker's own storage is used: a ${VAR} there names a variable of the submitter's shell, and a worker
+        # without it failed the job over a field it ignores.
+        data["tuning"].pop("storage", None)
+    check_allowed(expand_env_everywhere(data), allow)
+    return parse_config(data, Path(job.config_dir), source)    # expands the variables once ($$ stays a $)
 
 
 class Worker:
