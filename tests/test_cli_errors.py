@@ -275,3 +275,19 @@ def test_export_of_a_study_whose_baseline_was_never_scored_says_so(tmp_path):
     assert "its fp32 baseline was never scored" in run("show", "broken", "--storage", url).output
     assert run("report", "broken", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
     assert "its fp32 baseline was never scored" in (tmp_path / "r.html").read_text()
+
+
+def test_show_export_and_report_of_a_study_whose_job_was_cancelled_say_so(tmp_path):
+    """They said "tuning has not finished; the same tune command resumes it" of a service job's cancelled study."""
+    import optuna
+
+    from autotune.storage import study as studies
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="stopped", storage=url)
+    studies.set_attr(study, studies.BASELINE_ATTR, 0.9)
+    studies.set_attr(study, studies.CANCELLED_ATTR, "job 3 tuning it was cancelled")
+    assert_one_error_line(run("export", "stopped", "--storage", url), 2,
+                          "has no best plan yet (job 3 tuning it was cancelled before its search ended")
+    assert "job 3 tuning it was cancelled" in run("show", "stopped", "--storage", url).output
+    assert run("report", "stopped", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
+    assert "job 3 tuning it was cancelled" in (tmp_path / "r.html").read_text()

@@ -294,3 +294,16 @@ def test_jobs_gives_a_reason_too_long_for_its_table_in_full_below_it(tmp_path):
     listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
     assert f"job 1: {long_reason}" in listed and long_reason[:REASON_WIDTH - 1] + "…" in listed
     assert "a short reason" in listed and "job 2:" not in listed
+
+
+def test_the_trials_left_to_run_after_a_search_start_none_once_the_job_is_cancelled():
+    """A queued trial ran 10 s after its job was cancelled: the cancel was asked only when nothing was queued."""
+    from types import SimpleNamespace
+
+    from autotune.search.trials import TrialRunner
+    ran = []
+    runner = SimpleNamespace(study=optuna.create_study(), config=SimpleNamespace(grace_period=30),
+                             refresh=lambda: SimpleNamespace(waiting=1 - len(ran), running=0),
+                             run_once=lambda: ran.append(1))
+    TrialRunner.run_the_rest(runner, should_stop=lambda: "the job was cancelled")
+    assert ran == []

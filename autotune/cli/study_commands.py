@@ -173,7 +173,7 @@ def show(study_name: str, storage: str) -> None:
     click.echo(f"baseline accuracy {formatted(baseline)}")
     best = studies.get_attr(study, "best")
     if best is None:
-        click.echo(f"no best plan recorded yet ({studies.why_no_best(baseline)})")
+        click.echo(f"no best plan recorded yet ({studies.why_no_best(study)})")
         return
     click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
                f"{summarize(best['plan'])}{_runs_as(best)}")
@@ -216,7 +216,7 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     best, baseline = studies.get_attr(study, "best"), studies.get_attr(study, studies.BASELINE_ATTR)
     if best is None:
         raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet "
-                       f"({studies.why_no_best(baseline)})")
+                       f"({studies.why_no_best(study)})")
     data = {"study": study_name, "baseline_accuracy": baseline,
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}

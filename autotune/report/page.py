@@ -76,12 +76,11 @@ def trials_section(rows: list[Row]) -> str:
             + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
 
 
-def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "fp32") -> str:
+def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "fp32", why_none: str = "") -> str:
     """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. `held`: the dtype
-    the model was handed over in (a plan's "fp32" keeps a module in it)."""
+    the model was handed over in (a plan's "fp32" keeps a module in it); `why_none`: why there is no chosen plan."""
     if chosen is None:
-        return (f"<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: {studies.why_no_best(baseline)}."
-                "</p>")
+        return f"<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: {html.escape(why_none)}.</p>"
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
@@ -265,7 +264,8 @@ def html_report(study: optuna.Study) -> str:
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
     held = studies.get_attr(study, studies.HELD_DTYPE_ATTR) or "fp32"
-    parts = [_intro(study, rows, baseline, settings), chosen_section(chosen, baseline, held),
+    parts = [_intro(study, rows, baseline, settings),
+             chosen_section(chosen, baseline, held, studies.why_no_best(study)),
              _plot_section(rows, chosen, baseline, settings) if timed else "",
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "",

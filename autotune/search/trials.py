@@ -311,10 +311,13 @@ class TrialRunner:
         (a cancelled job)."""
         while True:
             fail_stale_trials(self.study, self.config.grace_period)
+            # Asked first: a queued trial ran after the job was cancelled.
+            if should_stop is not None and should_stop():
+                return
             view = self.refresh()
             if view.waiting:
                 self.run_once()
-            elif not view.running or (should_stop is not None and should_stop()):
+            elif not view.running:
                 return
             else:
                 time.sleep(CLAIM_POLL_S)

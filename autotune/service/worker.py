@@ -24,6 +24,7 @@ from autotune.errors import AutotuneError
 from autotune.plan import summarize
 from autotune.search.trials import TrialRunner, fail_stale_trials
 from autotune.service.jobs import CANCELLED, DONE, FAILED, RUNNING, Job, JobQueue
+from autotune.storage import study as studies
 from autotune.storage.claims import lease
 from autotune.storage.rdb import lost_connection, wait_until_reachable
 from autotune.tuner import finish, search, start_runner
@@ -109,8 +110,11 @@ class Worker:
             self.queue.set_study(job.id, runner.study.study_name)
             stopped = search(runner, started, should_stop=self._cancelled(job.id))
             log.info("job %d: search stopped: %s", job.id, stopped)
-            if self.queue.get(job.id).state == RUNNING:
+            state = self.queue.get(job.id).state
+            if state == RUNNING:
                 self._finish(job, runner, started)
+            elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
+                studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
             if lost_connection(exc, self.storage.engine):
                 wait_until_reachable(self.storage.engine, exc)

@@ -29,6 +29,7 @@ from autotune.tree import tensors
 ATTR_PREFIX = "autotune."
 PLAN_KEY_ATTR = "plan_key"   # the trial attribute a claim writes: TrialRunner.claim
 QUEUED_KEY_ATTR = "queued_plan_key"   # the key of the plan a trial was queued with (TrialRunner.queue)
+CANCELLED_ATTR = "cancelled"           # which service job tuning the study was cancelled (service.worker)
 BASELINE_ATTR = "baseline_accuracy"    # the fp32 model's eval_fn score (autotune.search.scores)
 BASELINE_EVAL_S_ATTR = "baseline_eval_s"   # the seconds its eval_fn call took: the least a trial takes
 BEST_RECORDED_WITH = "recorded_with"   # in `best`: the study's evaluated trials, the engines and knobs configured
@@ -263,9 +264,11 @@ def recorded_with(trials_evaluated: int, config: TuningConfig) -> dict:
     return {"trials": trials_evaluated, "engines": list(config.engines), "knobs": list(config.knobs)}
 
 
-def why_no_best(baseline: float | None) -> str:
-    """Why a study with this baseline score (BASELINE_ATTR) has no best plan: its baseline was never scored (its
-    eval_fn failed there, or the run stopped before it), or its tuning has not finished."""
-    if baseline is None:
+def why_no_best(study: optuna.Study) -> str:
+    """Why `study` has no best plan: its baseline was never scored (its eval_fn failed there, or the run stopped
+    before it), the service's job tuning it was cancelled (CANCELLED_ATTR), or its tuning has not finished."""
+    if get_attr(study, BASELINE_ATTR) is None:
         return "its fp32 baseline was never scored: eval_fn failed on it, or the run stopped before; tune it again"
+    if cancelled := get_attr(study, CANCELLED_ATTR):
+        return f"{cancelled} before its search ended; `autotune submit` of its config, or `autotune tune`, resumes it"
     return "tuning has not finished; the same tune command resumes it"
