@@ -291,3 +291,24 @@ def test_show_export_and_report_of_a_study_whose_job_was_cancelled_say_so(tmp_pa
     assert "job 3 tuning it was cancelled" in run("show", "stopped", "--storage", url).output
     assert run("report", "stopped", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
     assert "job 3 tuning it was cancelled" in (tmp_path / "r.html").read_text()
+
+
+def test_submit_refuses_what_a_worker_would_fail_the_job_for_without_importing_anything(tmp_path):
+    """`max_trials: many` and a misspelt field were queued with exit 0 and failed on a worker later, their reason's
+    lines spilling through the `jobs` table."""
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    job = {"model": {"factory": "nowhere.to.be:found"}, "evaluation": {"eval_fn": "nowhere.to.be:scored"}}
+    bad = write_yaml(tmp_path / "bad.yaml", {**job, "tuning": {"max_trials": "many", "tolerable_lose": 0.01}})
+    assert_one_error_line(run("submit", str(bad), "--storage", url), 2, "tuning: invalid TuningConfig",
+                          "max_trials: Input should be a valid integer", "tolerable_lose: Extra inputs")
+    typo = write_yaml(tmp_path / "typo.yaml", {**job, "tunning": {"max_trials": 3}})
+    assert_one_error_line(run("submit", str(typo), "--storage", url), 2, "unknown section(s) tunning")
+    # A variable only the workers' environment may set is left to them, as is the storage they replace.
+    later = write_yaml(tmp_path / "later.yaml", {**job, "tuning": {"max_trials": "${AUTOTUNE_TEST_UNSET_VAR}"}})
+    assert run("submit", str(later), "--storage", url).output == "job 1 queued\n"
+
+    from autotune.service.jobs import JobQueue
+    from autotune.storage.rdb import open_storage
+    JobQueue(open_storage(url)).end(1, "failed", "job 1: invalid config:\n  tuning.max_trials: not a number")
+    row = next(line for line in run("jobs", "--storage", url).output.splitlines() if line.startswith("1 "))
+    assert row.endswith("job 1: invalid config: tuning.max_trials: not a number")

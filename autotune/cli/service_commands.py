@@ -10,7 +10,7 @@ import click
 import optuna
 
 from autotune.cli.base import main, open_existing_storage, storage_option
-from autotune.config.file import read_yaml
+from autotune.config.file import check_without_imports, read_yaml
 from autotune.result import best_speedup, table
 from autotune.service.jobs import JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
@@ -26,7 +26,8 @@ def submit(config_path: str, storage: str, priority: int) -> None:
     """Queue a tuning job: the YAML CONFIG, run by `autotune worker` processes on the same storage."""
     path = Path(config_path)
     text = path.read_text()
-    read_yaml(text, str(path))        # a syntax error is reported here, not by a worker later
+    # A syntax error, an unknown section or a bad tuning field is reported here, not by a worker later.
+    check_without_imports(read_yaml(text, str(path)), str(path))
     job_id = JobQueue(open_storage(storage)).submit(text, str(path.resolve().parent), path.name, priority)
     click.echo(f"job {job_id} queued")
 
@@ -78,9 +79,9 @@ def jobs(storage: str) -> None:
     cut: list[str] = []     # reasons too long for the table, in full below it
     for job in JobQueue(rdb).all():
         trials, best = _progress(rdb, job.study_name)
-        reason = job.reason or ""
+        reason = " ".join((job.reason or "").split())    # one line in the table (a config error's has several)
         if len(reason) > REASON_WIDTH:
-            cut.append(f"job {job.id}: {reason}")
+            cut.append(f"job {job.id}: {job.reason}")
             reason = reason[:REASON_WIDTH - 1] + "…"
         rows.append([str(job.id), job.state, str(job.priority), job.config_name,
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",

@@ -294,6 +294,31 @@ def load_config(path: str | os.PathLike) -> FileConfig:
     return parse_config(read_yaml(text, str(path)), path.parent, str(path))
 
 
+def check_without_imports(data: dict, source: str) -> None:
+    """What a job's config can be checked for before a worker imports what it names (`autotune submit`): its
+    sections, and its `tuning` fields (`storage` aside: a worker uses its own). A variable the submitter's shell
+    does not set may be set where the workers run: its fields are then left to them.
+
+    Raises:
+        ConfigError: naming `source` and the unknown section or bad field.
+    """
+    unknown = sorted(set(data) - set(FileConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}; a config has "
+                          f"{', '.join(FileConfig.model_fields)}")
+    tuning = data.get("tuning")
+    if not isinstance(tuning, dict):
+        return
+    try:
+        tuning = expand_env_everywhere({key: value for key, value in tuning.items() if key != "storage"})
+    except ConfigError:
+        return
+    try:
+        TuningConfig.from_mapping(tuning)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: tuning: {exc}", exc.errors) from None
+
+
 def read_yaml(text: str, source: str) -> dict:
     """The mapping a YAML config's text holds, not yet validated.
 
