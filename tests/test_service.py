@@ -307,3 +307,21 @@ def test_the_trials_left_to_run_after_a_search_start_none_once_the_job_is_cancel
                              run_once=lambda: ran.append(1))
     TrialRunner.run_the_rest(runner, should_stop=lambda: "the job was cancelled")
     assert ran == []
+
+
+def test_a_workers_log_lines_and_the_jobs_table_say_when_in_utc(tmp_path):
+    """Worker lines had no time, so an outage's or a phase's length could not be read from them; the jobs table
+    kept each submitter's local time without saying so."""
+    import re
+    env = {**cli_env(), "AUTOTUNE_STORAGE": f"sqlite:///{tmp_path}/jobs.db"}
+    config = write_job(tmp_path, "refused", {"eval_fn": "worker_workload:logged_eval"})
+    assert run_cli("submit", str(config), cwd=tmp_path, env=env).returncode == 0
+    before = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None, second=0, microsecond=0)
+    done = run_cli("worker", "--exit-when-idle", cwd=tmp_path, env=env)    # the default --allow refuses the job
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC worker \d+: job 1 failed: refused", done.stderr, re.M), \
+        done.stderr
+    listed = run_cli("jobs", cwd=tmp_path, env=env).stdout
+    assert "submitted UTC" in listed
+    submitted = datetime.datetime.strptime(re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", listed).group(), "%Y-%m-%d %H:%M")
+    assert before - datetime.timedelta(minutes=2) <= submitted <= before + datetime.timedelta(minutes=2)

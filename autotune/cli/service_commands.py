@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import click
@@ -44,7 +45,10 @@ def worker(storage: str, allow: tuple[str, ...], exit_when_idle: bool, poll: flo
     logger = logging.getLogger("autotune")
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"worker {os.getpid()}: %(message)s"))
+        # A long-running process: its log says when (an outage's length, a phase's), in UTC like the jobs table.
+        formatter = logging.Formatter(f"%(asctime)s worker {os.getpid()}: %(message)s", "%Y-%m-%d %H:%M:%S UTC")
+        formatter.converter = time.gmtime
+        handler.setFormatter(formatter)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     worked = Worker(open_storage(storage), storage, tuple(allow)).run(exit_when_idle, poll)
@@ -75,7 +79,7 @@ REASON_WIDTH = 100   # a job's reason in the table; a longer one is given in ful
 def jobs(storage: str) -> None:
     """Jobs with their state, trials done and best speedup so far."""
     rdb = open_existing_storage(storage)
-    rows = [["job", "state", "priority", "config", "submitted", "by", "study", "trials", "best", "reason"]]
+    rows = [["job", "state", "priority", "config", "submitted UTC", "by", "study", "trials", "best", "reason"]]
     cut: list[str] = []     # reasons too long for the table, in full below it
     for job in JobQueue(rdb).all():
         trials, best = _progress(rdb, job.study_name)

@@ -57,7 +57,8 @@ class Job:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now()
+    """UTC, kept without a zone: workers and submitters in several time zones write one clock."""
+    return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
 
 
 class JobQueue:
