@@ -325,3 +325,26 @@ def test_a_workers_log_lines_and_the_jobs_table_say_when_in_utc(tmp_path):
     assert "submitted UTC" in listed
     submitted = datetime.datetime.strptime(re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", listed).group(), "%Y-%m-%d %H:%M")
     assert before - datetime.timedelta(minutes=2) <= submitted <= before + datetime.timedelta(minutes=2)
+
+
+def test_a_worker_started_before_its_database_answers_waits_for_it_and_one_refused_for_good_exits(
+        tmp_path, postgres_server, postgres):
+    """A worker started while the server did not answer yet exited at once (exit 2), where a running one waits out
+    the same outage: after a reboot, workers that came up before PostgreSQL were gone."""
+    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
+    command = [sys.executable, "-m", "autotune", "worker", "--exit-when-idle", "--poll", "0.2"]
+    with refusing_connections(postgres_server, postgres):
+        worker = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        time.sleep(6.0)
+        assert worker.poll() is None, worker.communicate()[0]
+    output = worker.communicate(timeout=120)[0]
+    assert worker.returncode == 0, output
+    assert "not currently accepting connections" in output and "waiting for it" in output
+    assert "worked on 0 jobs" in output and "Traceback" not in output
+
+    missing = {**env, "AUTOTUNE_STORAGE": postgres.replace("/t_", "/no_such_", 1)}
+    started = time.monotonic()
+    refused = run_cli("worker", "--exit-when-idle", cwd=tmp_path, env=missing)
+    assert refused.returncode == 2 and "does not exist" in refused.stderr, refused.stderr
+    assert time.monotonic() - started < 30

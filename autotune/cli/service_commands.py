@@ -16,7 +16,7 @@ from autotune.result import best_speedup, table
 from autotune.service.jobs import JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
-from autotune.storage.rdb import open_storage, shown
+from autotune.storage.rdb import open_storage, open_storage_once_up, shown
 
 
 @main.command()
@@ -51,7 +51,7 @@ def worker(storage: str, allow: tuple[str, ...], exit_when_idle: bool, poll: flo
         handler.setFormatter(formatter)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    worked = Worker(open_storage(storage), storage, tuple(allow)).run(exit_when_idle, poll)
+    worked = Worker(open_storage_once_up(storage), storage, tuple(allow)).run(exit_when_idle, poll)
     click.echo(f"worker {os.getpid()}: worked on {worked} jobs; no job is open")
 
 

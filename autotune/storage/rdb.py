@@ -104,6 +104,40 @@ def wait_until_reachable(engine: sqlalchemy.engine.Engine, why: BaseException) -
     log.warning("the study storage answers again after %.0f s: going on", time.monotonic() - started)
 
 
+# What a server says where it refuses this client for good; psycopg gives failures to connect no SQLSTATE, so a
+# refusal is told from a server not up yet (refused, unresolvable, starting up, closed for a while) by its words.
+REFUSED_FOR_GOOD = ("password authentication failed", "does not exist", "pg_hba.conf", "authentication failed")
+
+
+def not_up_yet(exc: BaseException, url: str) -> bool:
+    """Whether `exc` says the server of `url` (not SQLite's file) does not answer yet, as opposed to refusing
+    this client for good (a wrong password, no such database or role)."""
+    error = database_error(exc)
+    if sqlite_path(url) is not None or not isinstance(error, CONNECTION_ERRORS):
+        return False
+    return not any(words in str(error.orig) for words in REFUSED_FOR_GOOD)
+
+
+def open_storage_once_up(url: str) -> RDBStorage:
+    """open_storage, waiting while the server does not answer yet, as a running worker waits out an outage: a
+    service's workers may start before its database (a host's reboot, a compose file without a health check).
+    Anything else is raised at once."""
+    started, pause, warned = time.monotonic(), 1.0, False
+    while True:
+        try:
+            return open_storage(url)
+        except StorageError as exc:
+            if not not_up_yet(exc, url):
+                raise
+            if not warned:
+                log.warning("%s: waiting for it", exc)
+                warned = True
+        time.sleep(pause)
+        pause = min(2 * pause, MOST_WAIT_S)
+        if warned and pause == MOST_WAIT_S:
+            log.info("the study storage still does not answer after %.0f s", time.monotonic() - started)
+
+
 class SteadyHeartbeatStorage(RDBStorage):
     """Optuna's RDBStorage whose heartbeats outlast a database that stops answering for a while. Optuna's heartbeat
     thread ends at the first write that fails; the trial it beat for then runs on unseen, and once the database
