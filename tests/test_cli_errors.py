@@ -264,33 +264,25 @@ def test_a_factory_argument_that_is_one_variable_takes_its_number_and_a_config_f
                                            "tuning": {"study_name": "64"}}
 
 
-def test_export_of_a_study_whose_baseline_was_never_scored_says_so(tmp_path):
-    """It said "tuning has not finished" of a study whose eval_fn had failed at the fp32 baseline, which no waiting
-    finishes."""
-    import optuna
-    url = f"sqlite:///{tmp_path}/s.db"
-    optuna.create_study(study_name="broken", storage=url)
-    assert_one_error_line(run("export", "broken", "--storage", url), 2,
-                          "has no best plan yet (its fp32 baseline was never scored: eval_fn failed on it")
-    assert "its fp32 baseline was never scored" in run("show", "broken", "--storage", url).output
-    assert run("report", "broken", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
-    assert "its fp32 baseline was never scored" in (tmp_path / "r.html").read_text()
-
-
-def test_show_export_and_report_of_a_study_whose_job_was_cancelled_say_so(tmp_path):
-    """They said "tuning has not finished; the same tune command resumes it" of a service job's cancelled study."""
+@pytest.mark.parametrize("attrs, why", [
+    # It said "tuning has not finished" of a study whose eval_fn had failed at the fp32 baseline, which no waiting
+    # finishes ...
+    ({}, "its fp32 baseline was never scored: eval_fn failed on it"),
+    # ... and of a service job's cancelled study, pointing at `tune`.
+    ({"baseline_accuracy": 0.9, "cancelled": "job 3 tuning it was cancelled"},
+     "job 3 tuning it was cancelled before its search ended")], ids=["baseline-never-scored", "job-cancelled"])
+def test_show_export_and_report_of_a_study_without_a_best_plan_say_why(tmp_path, attrs, why):
     import optuna
 
     from autotune.storage import study as studies
     url = f"sqlite:///{tmp_path}/s.db"
-    study = optuna.create_study(study_name="stopped", storage=url)
-    studies.set_attr(study, studies.BASELINE_ATTR, 0.9)
-    studies.set_attr(study, studies.CANCELLED_ATTR, "job 3 tuning it was cancelled")
-    assert_one_error_line(run("export", "stopped", "--storage", url), 2,
-                          "has no best plan yet (job 3 tuning it was cancelled before its search ended")
-    assert "job 3 tuning it was cancelled" in run("show", "stopped", "--storage", url).output
-    assert run("report", "stopped", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
-    assert "job 3 tuning it was cancelled" in (tmp_path / "r.html").read_text()
+    study = optuna.create_study(study_name="unfinished", storage=url)
+    for key, value in attrs.items():
+        studies.set_attr(study, key, value)
+    assert_one_error_line(run("export", "unfinished", "--storage", url), 2, f"has no best plan yet ({why}")
+    assert why in run("show", "unfinished", "--storage", url).output
+    assert run("report", "unfinished", "--storage", url, "--out", str(tmp_path / "r.html")).exit_code == 0
+    assert why in (tmp_path / "r.html").read_text()
 
 
 def test_submit_refuses_what_a_worker_would_fail_the_job_for_without_importing_anything(tmp_path):
