@@ -294,6 +294,15 @@ def load_config(path: str | os.PathLike) -> FileConfig:
     return parse_config(read_yaml(text, str(path)), path.parent, str(path))
 
 
+def without_storage(data: dict) -> dict:
+    """A job's config mapping without `tuning.storage`: a worker uses its own storage, and a ${VAR} there names a
+    variable of the submitter's shell (a worker without it failed the job over a field it ignores)."""
+    tuning = data.get("tuning")
+    if not isinstance(tuning, dict) or "storage" not in tuning:
+        return data
+    return {**data, "tuning": {key: value for key, value in tuning.items() if key != "storage"}}
+
+
 def check_without_imports(data: dict, source: str) -> None:
     """What a job's config can be checked for before a worker imports what it names (`autotune submit`): its
     sections, and its `tuning` fields (`storage` aside: a worker uses its own). A variable the submitter's shell
@@ -306,11 +315,11 @@ def check_without_imports(data: dict, source: str) -> None:
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}; a config has "
                           f"{', '.join(FileConfig.model_fields)}")
-    tuning = data.get("tuning")
+    tuning = without_storage(data).get("tuning")
     if not isinstance(tuning, dict):
         return
     try:
-        tuning = expand_env_everywhere({key: value for key, value in tuning.items() if key != "storage"})
+        tuning = expand_env_everywhere(tuning)
     except ConfigError:
         return
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
-from autotune.config.file import FileConfig, expand_env_everywhere, parse_config, read_yaml
+from autotune.config.file import FileConfig, expand_env_everywhere, parse_config, read_yaml, without_storage
 from autotune.errors import AutotuneError
 from autotune.plan import summarize
 from autotune.search.trials import TrialRunner, fail_stale_trials
@@ -67,11 +67,7 @@ def job_config(job: Job, allow: tuple[str, ...]) -> FileConfig:
     """The job's config, validated on this worker once its import paths are known to be allowed (validating a
     config imports the modules it names)."""
     source = f"job {job.id} ({job.config_name})"
-    data = read_yaml(job.config_yaml, source)
-    if isinstance(data.get("tuning"), dict):
-        # The worker's own storage is used: a ${VAR} there names a variable of the submitter's shell, and a worker
-        # without it failed the job over a field it ignores.
-        data["tuning"].pop("storage", None)
+    data = without_storage(read_yaml(job.config_yaml, source))
     check_allowed(expand_env_everywhere(data), allow)
     return parse_config(data, Path(job.config_dir), source)    # expands the variables once ($$ stays a $)
 

@@ -97,11 +97,20 @@ def wait_until_reachable(engine: sqlalchemy.engine.Engine, why: BaseException) -
     error = database_error(why)
     log.warning("the study storage is unreachable (%s): waiting for it; what it holds is kept",
                 database_says(error) if error is not None else describe(why))
-    started, pause = time.monotonic(), 1.0
-    while not reachable(engine):
+    started = time.monotonic()
+    for pause in _pauses():
+        if reachable(engine):
+            break
         time.sleep(pause)
-        pause = min(2 * pause, MOST_WAIT_S)
     log.warning("the study storage answers again after %.0f s: going on", time.monotonic() - started)
+
+
+def _pauses() -> Iterator[float]:
+    """Seconds between looks at a database that does not answer: ever longer, up to MOST_WAIT_S."""
+    pause = 1.0
+    while True:
+        yield pause
+        pause = min(2 * pause, MOST_WAIT_S)
 
 
 # What a server says where it refuses this client for good; psycopg gives failures to connect no SQLSTATE, so a
@@ -122,20 +131,19 @@ def open_storage_once_up(url: str) -> RDBStorage:
     """open_storage, waiting while the server does not answer yet, as a running worker waits out an outage: a
     service's workers may start before its database (a host's reboot, a compose file without a health check).
     Anything else is raised at once."""
-    started, pause, warned = time.monotonic(), 1.0, False
-    while True:
+    started = time.monotonic()
+    for pause in _pauses():
         try:
             return open_storage(url)
         except StorageError as exc:
             if not not_up_yet(exc, url):
                 raise
-            if not warned:
+            if pause == 1.0:
                 log.warning("%s: waiting for it", exc)
-                warned = True
+            elif pause == MOST_WAIT_S:
+                log.info("the study storage still does not answer after %.0f s", time.monotonic() - started)
         time.sleep(pause)
-        pause = min(2 * pause, MOST_WAIT_S)
-        if warned and pause == MOST_WAIT_S:
-            log.info("the study storage still does not answer after %.0f s", time.monotonic() - started)
+    raise AssertionError("_pauses ends only where it is stopped")
 
 
 class SteadyHeartbeatStorage(RDBStorage):
