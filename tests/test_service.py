@@ -348,3 +348,60 @@ def test_a_worker_started_before_its_database_answers_waits_for_it_and_one_refus
     refused = run_cli("worker", "--exit-when-idle", cwd=tmp_path, env=missing)
     assert refused.returncode == 2 and "does not exist" in refused.stderr, refused.stderr
     assert time.monotonic() - started < 30
+
+
+def test_a_job_past_its_search_sends_other_workers_to_the_next_job_unless_its_finisher_died(tmp_path, monkeypatch):
+    """Workers whose search had ended waited while one worker verified the winner, with other jobs queued; a job is
+    now handed out again only when its finisher's lease has expired."""
+    from autotune.service.jobs import FINISH_LEASE
+    from autotune.service.worker import Worker
+    from autotune.storage.claims import lease
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    storage = open_storage(url)
+    queue = JobQueue(storage)
+    fidelity = {"eval_fn": "resume_workload:fidelity_eval"}
+    first, second = (queue.submit(write_job(tmp_path, name, fidelity).read_text(), str(tmp_path), f"{name}.yaml",
+                                  priority) for name, priority in (("first", 1), ("second", 0)))
+    worker = Worker(storage, url, allow=("resume_workload:*",))
+    with lease(storage, "first", FINISH_LEASE, ttl_s=60) as held:    # a finisher elsewhere, alive
+        assert held
+        assert worker.run(exit_when_idle=True) == 2
+        assert [queue.get(first).state, queue.get(second).state] == ["finishing", "done"]
+        assert queue.take() is None
+    assert queue.take().id == first                      # its finisher gone: the job needs a worker again
+    assert worker.run(exit_when_idle=True) == 1
+    assert queue.get(first).state == "done"
+    assert optuna.load_study(study_name="first", storage=url).user_attrs["autotune.best"]["plan"] == \
+        resume_workload.expected_plan()
+
+
+def test_the_same_config_submitted_twice_is_noted_and_its_second_job_keeps_the_recorded_best(tmp_path, monkeypatch):
+    """The second job of one study rebuilt and timed the recorded winner anew, and `jobs` showed the study's
+    recorded speedup beside a second, different one in that job's reason."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    from autotune.result import best_speedup
+    from autotune.service.worker import Worker
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    config = str(write_job(tmp_path, "twice", {"eval_fn": "resume_workload:fidelity_eval"}))
+    submit = ["submit", config, "--storage", url]
+    assert CliRunner().invoke(main, submit).output == "job 1 queued\n"
+    second = CliRunner().invoke(main, submit)
+    assert second.exit_code == 0 and "job 2 queued" in second.output, second.output
+    assert "note: job 1 (queued) tunes study twice too" in second.output
+
+    storage = open_storage(url)
+    assert Worker(storage, url, allow=("resume_workload:*",)).run(exit_when_idle=True) == 2
+    queue = JobQueue(storage)
+    best = optuna.load_study(study_name="twice", storage=url).user_attrs["autotune.best"]
+    assert queue.get(1).state == queue.get(2).state == "done"
+    assert queue.get(2).reason.startswith(f"study twice was already tuned by job 1: its recorded best is kept, "
+                                          f"speedup {best_speedup(best)}, int8×3 fp32×2")
+    third = CliRunner().invoke(main, submit)
+    assert "job 1" not in third.output and "note: study twice was tuned already" in third.output, third.output
+

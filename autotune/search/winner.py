@@ -124,9 +124,7 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     same: built again and timed against fp32 once more, its score the recorded one. A finished study run again
     raced its finalists anew, and on a busy host each run returned another plan and spent an eval_fn call
     re-evaluating it. None where there is none to reuse, or it no longer builds (logged)."""
-    best = studies.get_attr(runner.study, "best")
-    trials = len(studies.evaluated_trials(runner.study))
-    if not best or best.get(studies.BEST_RECORDED_WITH) != studies.recorded_with(trials, runner.config):
+    if (best := studies.standing_best(runner.study, runner.config)) is None:
         return None
     name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
     log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "

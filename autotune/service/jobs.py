@@ -1,5 +1,5 @@
 """Tuning jobs, queued in a table of the study database: the YAML text of a config, who submitted it and when, a
-priority, and a state (queued, running, done, failed, cancelled) with its reason.
+priority, and a state (queued, running, finishing, done, failed, cancelled) with its reason.
 
 A plain table rather than a queue library: workers take jobs with `SELECT ... FOR UPDATE SKIP LOCKED` on
 PostgreSQL (SQLite takes the write lock as every transaction begins, which serialises them just as well), and
@@ -17,9 +17,11 @@ from optuna.storages import RDBStorage
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, Text
 
 from autotune.errors import AutotuneError
+from autotune.storage.claims import create_tables, live_lease
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
-OPEN = (QUEUED, RUNNING)     # states a worker may take a job in: several workers share a running job
+QUEUED, RUNNING, FINISHING, DONE, FAILED, CANCELLED = "queued", "running", "finishing", "done", "failed", "cancelled"
+OPEN = (QUEUED, RUNNING, FINISHING)     # not ended: a user may cancel it
+FINISH_LEASE = "finish"   # held by the one worker that verifies a finishing job's winner
 
 _metadata = MetaData()
 jobs_table = Table(
@@ -66,6 +68,7 @@ class JobQueue:
 
     def __init__(self, storage: RDBStorage):
         self.engine = storage.engine
+        create_tables(self.engine)     # take() reads the leases
         try:
             _metadata.create_all(self.engine, checkfirst=True)
         except sqlalchemy.exc.DatabaseError:   # another process created it between the check and the create
@@ -80,18 +83,21 @@ class JobQueue:
             return connection.execute(jobs_table.insert().values(**row)).inserted_primary_key[0]
 
     def take(self) -> Job | None:
-        """The open job of highest priority (oldest first), marked running; None when no job is open. A running
-        job is shared: a worker joins it while its study has budget left."""
+        """The job of highest priority (oldest first) that needs a worker, marked running if it was queued; None
+        when no job does. A running job is shared: a worker joins it while its study has budget left. A finishing
+        job needs one only where its finisher died (its lease expired)."""
         order = (jobs_table.c.priority.desc(), jobs_table.c.id)
+        wanted = sqlalchemy.or_(jobs_table.c.state.in_((QUEUED, RUNNING)), sqlalchemy.and_(
+            jobs_table.c.state == FINISHING, ~live_lease(jobs_table.c.study_name, FINISH_LEASE)))
         with self.engine.begin() as connection:
             row = connection.execute(
-                sqlalchemy.select(jobs_table).where(jobs_table.c.state.in_(OPEN)).order_by(*order).limit(1)
+                sqlalchemy.select(jobs_table).where(wanted).order_by(*order).limit(1)
                 .with_for_update(skip_locked=True)).mappings().first()
             if row is None:
                 return None
             if row["state"] == QUEUED:
                 connection.execute(jobs_table.update().where(jobs_table.c.id == row["id"]).values(state=RUNNING))
-        return Job(**{**row, "state": RUNNING})
+        return Job(**{**row, "state": RUNNING if row["state"] == QUEUED else row["state"]})
 
     def get(self, job_id: int) -> Job:
         with self.engine.connect() as connection:
@@ -109,6 +115,12 @@ class JobQueue:
         with self.engine.begin() as connection:
             connection.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(study_name=study_name))
 
+    def finishing(self, job_id: int) -> None:
+        """Marks a running job as past its search: new workers go to other jobs."""
+        with self.engine.begin() as connection:
+            connection.execute(jobs_table.update().where(jobs_table.c.id == job_id, jobs_table.c.state == RUNNING)
+                               .values(state=FINISHING))
+
     def end(self, job_id: int, state: str, reason: str | None = None) -> bool:
         """Moves an open job to `state` (done, failed or cancelled); False if it had ended already."""
         with self.engine.begin() as connection:
@@ -125,4 +137,5 @@ class JobQueue:
         """
         job = self.get(job_id)
         if not self.end(job_id, CANCELLED, "cancelled by the user"):
-            raise JobError(f"job {job_id} is {job.state} already; only queued or running jobs can be cancelled")
+            raise JobError(f"job {job_id} is {job.state} already; only queued, running or finishing jobs can be"
+                           " cancelled")

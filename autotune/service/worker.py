@@ -1,8 +1,9 @@
 """A worker: takes jobs from the queue and runs them, with the tuner's own trials, claims and heartbeats.
 
-Several workers (on one machine or many) share a running job's study and budget. The worker whose search ends
-waits for the job's trials still running elsewhere, then one of them, under the study's "finish" lease,
-verifies the winner and marks the job done. A job that cannot run (malformed YAML, a missing data file, an
+Several workers (on one machine or many) share a running job's study and budget. The first worker whose search
+ends takes the study's "finish" lease and marks the job finishing: it waits for the job's trials still running
+elsewhere, verifies the winner and marks the job done, while the other workers go on to other jobs (a finishing
+job is handed out again only if its finisher dies). A job that cannot run (malformed YAML, a missing data file, an
 import path its worker does not allow, an eval_fn that fails at the baseline) fails alone with its reason.
 A database that stops answering (a server restart, a failover, a network cut) fails no job: the worker waits
 for it and takes its job up again where the study stands; only the trial it was running is lost, and that
@@ -22,8 +23,9 @@ from optuna.trial import TrialState
 from autotune.config.file import FileConfig, expand_env_everywhere, parse_config, read_yaml, without_storage
 from autotune.errors import AutotuneError
 from autotune.plan import summarize
+from autotune.result import best_speedup
 from autotune.search.trials import TrialRunner, fail_stale_trials
-from autotune.service.jobs import CANCELLED, DONE, FAILED, RUNNING, Job, JobQueue
+from autotune.service.jobs import CANCELLED, DONE, FAILED, FINISH_LEASE, FINISHING, RUNNING, Job, JobQueue
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
 from autotune.storage.rdb import lost_connection, wait_until_reachable
@@ -107,7 +109,9 @@ class Worker:
             stopped = search(runner, started, should_stop=self._cancelled(job.id))
             log.info("job %d: search stopped: %s", job.id, stopped)
             state = self.queue.get(job.id).state
-            if state == RUNNING:
+            if state in (RUNNING, FINISHING) and (best := studies.standing_best(runner.study, tuning)) is not None:
+                self._already_tuned(job, runner.study.study_name, best)
+            elif state in (RUNNING, FINISHING):
                 self._finish(job, runner, started)
             elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
                 studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
@@ -129,18 +133,34 @@ class Worker:
         return check
 
     def _finish(self, job: Job, runner: TrialRunner, started: float) -> None:
-        """Once no trial of the study runs elsewhere, the first worker here verifies the winner."""
-        while runner.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            time.sleep(1.0)
-            fail_stale_trials(runner.study, runner.config.grace_period)
-        with lease(self.storage, runner.study.study_name, "finish", ttl_s=runner.config.grace_period):
-            if self.queue.get(job.id).state != RUNNING:
-                return                 # another worker finished it meanwhile
+        """The first worker here verifies the winner once no trial of the study runs elsewhere; the others go on."""
+        self.queue.finishing(job.id)
+        name = runner.study.study_name
+        with lease(self.storage, name, FINISH_LEASE, ttl_s=runner.config.grace_period, wait=False) as held:
+            if not held:
+                log.info("job %d: another worker finishes it; going on", job.id)
+                return
+            while runner.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                time.sleep(1.0)
+                fail_stale_trials(runner.study, runner.config.grace_period)
+            if self.queue.get(job.id).state != FINISHING:
+                return                 # cancelled, or finished by another worker meanwhile
             runner.refresh()
             result = finish(runner, started)
             self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan)}, "
                                          f"{result.trials_evaluated} evaluated trials")
             log.info("job %d done: speedup %.2fx", job.id, result.speedup)
+
+    def _already_tuned(self, job: Job, study_name: str, best: dict) -> None:
+        """Ends a job whose study had its answer recorded before this job searched (the same config submitted
+        again) with that answer: building and timing it anew gave the job a second, different speedup."""
+        earlier = [other.id for other in self.queue.all()
+                   if other.study_name == study_name and other.state == DONE and other.id != job.id]
+        by = f" by job {earlier[-1]}" if earlier else ""
+        if self.queue.end(job.id, DONE, f"study {study_name} was already tuned{by}: its recorded best is kept, "
+                                        f"speedup {best_speedup(best)}, {summarize(best['plan'])}; a larger "
+                                        f"max_trials searches further"):
+            log.info("job %d: study %s was already tuned%s; its recorded best is kept", job.id, study_name, by)
 
     def _fail(self, job: Job, reason: str) -> None:
         if self.queue.end(job.id, FAILED, reason):

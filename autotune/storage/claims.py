@@ -92,14 +92,19 @@ class PlanClaims:
 
 
 @contextmanager
-def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s: float = 0.5) -> Iterator[None]:
-    """Holds lease `name` of a study while the block runs: other holders wait. The holder renews it every third
-    of `ttl_s`; a holder that dies stops renewing, and after `ttl_s` the lease is free again."""
+def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s: float = 0.5,
+          wait: bool = True) -> Iterator[bool]:
+    """Holds lease `name` of a study while the block runs (yielding True): other holders wait, or with `wait=False`
+    run the block at once, told False. The holder renews it every third of `ttl_s`; a holder that dies stops
+    renewing, and after `ttl_s` the lease is free again."""
     engine = storage.engine
     create_tables(engine)
     holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     where = [leases.c.study_name == study_name, leases.c.name == name]
     while not _acquire(engine, study_name, name, holder, ttl_s, where):
+        if not wait:
+            yield False
+            return
         time.sleep(poll_s)
     stop = threading.Event()
 
@@ -116,7 +121,7 @@ def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s:
     renewer = threading.Thread(target=renew, name=f"autotune-lease-{name}", daemon=True)
     renewer.start()
     try:
-        yield
+        yield True
     finally:
         stop.set()
         renewer.join()
@@ -135,3 +140,9 @@ def _acquire(engine: sqlalchemy.Engine, study_name: str, name: str, holder: str,
             taken = connection.execute(leases.update().where(*where, leases.c.expires_at < time.time())
                                        .values(holder=holder, expires_at=time.time() + ttl_s))
             return taken.rowcount == 1
+
+
+def live_lease(study_name_column: sqlalchemy.ColumnElement, name: str) -> sqlalchemy.Exists:
+    """SQL that is true where lease `name` of the study in `study_name_column` is held and not expired."""
+    return sqlalchemy.exists().where(leases.c.study_name == study_name_column, leases.c.name == name,
+                                     leases.c.expires_at >= time.time())

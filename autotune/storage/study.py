@@ -260,8 +260,17 @@ def passing_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 def recorded_with(trials_evaluated: int, config: TuningConfig) -> dict:
     """What a `best` recorded now, with the study's `trials_evaluated`, is recorded with: it stands for a run that has
-    as much (winner._recorded_winner)."""
+    as much (standing_best)."""
     return {"trials": trials_evaluated, "engines": list(config.engines), "knobs": list(config.knobs)}
+
+
+def standing_best(study: optuna.Study, config: TuningConfig) -> dict | None:
+    """The study's recorded `best` where it still answers a run of `config`: no trial was evaluated since, and the
+    engines and knobs configured are the same. None otherwise."""
+    best = get_attr(study, "best")
+    if not best or best.get(BEST_RECORDED_WITH) != recorded_with(len(evaluated_trials(study)), config):
+        return None
+    return best
 
 
 def why_no_best(study: optuna.Study) -> str:
