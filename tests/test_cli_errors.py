@@ -304,3 +304,20 @@ def test_submit_refuses_what_a_worker_would_fail_the_job_for_without_importing_a
     JobQueue(open_storage(url)).end(1, "failed", "job 1: invalid config:\n  tuning.max_trials: not a number")
     row = next(line for line in run("jobs", "--storage", url).output.splitlines() if line.startswith("1 "))
     assert row.endswith("job 1: invalid config: tuning.max_trials: not a number")
+
+
+def test_a_storage_file_is_read_for_its_one_url_and_a_bad_one_is_named_by_its_variable(tmp_path):
+    """A missing file read "cannot write or read PATH", naming no variable; a comment line in the file was taken
+    into the URL (database "studies # prod db" does not exist)."""
+    url = f"sqlite:///{tmp_path}/team.db"
+    commented = tmp_path / "url"
+    commented.write_text(f"# the team's study database\n\n{url}\n")
+    import optuna
+    optuna.create_study(study_name="team-study", storage=url)
+    listed = run("list", env={"AUTOTUNE_STORAGE_FILE": str(commented)})
+    assert listed.exit_code == 0 and "team-study" in listed.output, listed.output
+    assert_one_error_line(run("list", env={"AUTOTUNE_STORAGE_FILE": str(tmp_path / "nope")}), 2,
+                          f"AUTOTUNE_STORAGE_FILE names {tmp_path / 'nope'}, which cannot be read")
+    commented.write_text(f"{url}\n{url}2\n")
+    assert_one_error_line(run("list", env={"AUTOTUNE_STORAGE_FILE": str(commented)}), 2, "holds 2 lines",
+                          "the storage URL alone")

@@ -405,3 +405,38 @@ def test_the_same_config_submitted_twice_is_noted_and_its_second_job_keeps_the_r
     third = CliRunner().invoke(main, submit)
     assert "job 1" not in third.output and "note: study twice was tuned already" in third.output, third.output
 
+
+def test_tables_changed_by_hand_or_by_an_old_optuna_are_said_so_without_the_url_or_a_jobs_config(tmp_path, postgres):
+    """A column dropped by hand read as an outage ("once it answers, run the command again"), a refused row was
+    quoted with the job's config in it, and Optuna's schema-version error was an "unexpected" exit 1 whose hint
+    put the URL, password and all, on a command line."""
+    import sqlalchemy
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    config = write_job(tmp_path, "secret", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"key": "s3cr3t"}})
+    runner = CliRunner()
+    assert runner.invoke(main, ["jobs", "--storage", postgres]).exit_code == 0    # the tables, as autotune writes them
+    optuna.create_study(study_name="s", storage=postgres)
+    engine = sqlalchemy.create_engine(postgres)
+    damage = {"ALTER TABLE autotune_jobs ADD COLUMN team text NOT NULL": ["submit", str(config)],
+              "ALTER TABLE autotune_jobs DROP COLUMN priority": ["jobs"],
+              "UPDATE alembic_version SET version_num = 'v3.0.0.d'": ["list"]}
+    outputs = []
+    for statement, command in damage.items():
+        with engine.begin() as connection:
+            connection.exec_driver_sql(statement)
+        result = runner.invoke(main, [*command, "--storage", postgres])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "once it answers" not in result.output and "s3cr3t" not in result.output, result.output
+        outputs.append(result.output)
+    assert "refused a statement" in outputs[0] and "team" in outputs[0] and "tables differ" in outputs[0]
+    assert "refused a statement" in outputs[1] and "priority" in outputs[1] and "LINE 1" not in outputs[1]
+    password = sqlalchemy.engine.make_url(postgres).password
+    assert "os.environ['AUTOTUNE_STORAGE']" in outputs[2] and "upgrade()" in outputs[2], outputs[2]
+    assert not password or password not in outputs[2]
+    command = outputs[2].split("execute python -c ")[1].split(" (with AUTOTUNE_STORAGE")[0].strip('"')
+    upgraded = subprocess.run([sys.executable, "-c", command], env={**cli_env(), "AUTOTUNE_STORAGE": postgres},
+                              capture_output=True, text=True, timeout=120)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert runner.invoke(main, ["list", "--storage", postgres]).exit_code == 0     # the hint did what it said

@@ -15,7 +15,7 @@ import optuna
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
-from autotune.storage.rdb import database_error, database_says, open_storage, shown, sqlite_path
+from autotune.storage.rdb import database_error, database_says, open_storage, shown, sqlite_path, tables_differ
 
 
 def resolve_storage(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
@@ -24,8 +24,21 @@ def resolve_storage(_ctx: click.Context, _param: click.Parameter, value: str | N
     if value:
         return value
     if os.environ.get("AUTOTUNE_STORAGE_FILE"):
-        return Path(os.environ["AUTOTUNE_STORAGE_FILE"]).read_text().strip()
+        return _url_in_file(Path(os.environ["AUTOTUNE_STORAGE_FILE"]))
     return DEFAULT_STORAGE
+
+
+def _url_in_file(path: Path) -> str:
+    """The one line of `path` that is neither blank nor a `#` comment."""
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except OSError as exc:
+        raise CliError(f"AUTOTUNE_STORAGE_FILE names {path}, which cannot be read: {exc.strerror}") from None
+    urls = [line for line in lines if line and not line.startswith("#")]
+    if len(urls) != 1:
+        raise CliError(f"AUTOTUNE_STORAGE_FILE names {path}, which holds {len(urls)} lines besides blank and `#` "
+                       "ones; it should hold the storage URL alone")
+    return urls[0]
 
 
 storage_option = click.option("--storage", envvar="AUTOTUNE_STORAGE", default=None, callback=resolve_storage,
@@ -116,7 +129,10 @@ def _interrupted(ctx: click.Context) -> None:
 def _as_cli_error(exc: Exception) -> click.ClickException:
     if isinstance(exc, AutotuneError):
         return CliError(str(exc))
-    if (error := database_error(exc)) is not None:   # raised by SQLAlchemy, or by Optuna's storage from it
+    if (error := database_error(exc)) is not None and tables_differ(error):   # SQLAlchemy's, or Optuna's from it
+        return CliError(f"the study storage refused a statement: {database_says(error)}; its tables differ from "
+                        "those autotune and Optuna write (changed by hand, or by another version?)")
+    if error is not None:
         return CliError(f"the study storage failed: {database_says(error)}; once it answers, run the command "
                         "again (a tuning run resumes from its finished trials)")
     if isinstance(exc, OSError) and exc.filename:

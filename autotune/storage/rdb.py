@@ -3,6 +3,7 @@ local workers. Any RDB URL Optuna accepts works (PostgreSQL for several machines
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -20,6 +21,10 @@ SCHEMA_ATTEMPTS = 5
 MOST_WAIT_S = 10.0    # longest pause between looks at a database that does not answer
 # What SQLAlchemy raises where the database connection fails, as opposed to what was asked of it (IntegrityError..)
 CONNECTION_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)
+# Optuna's own hint puts the URL, password and all, on a command line that `ps` shows: this reads it from the
+# variable the CLI reads it from.
+UPGRADE_COMMAND = ("""python -c "import os, optuna; optuna.storages.RDBStorage(os.environ['AUTOTUNE_STORAGE'], """
+                   """skip_compatibility_check=True).upgrade()" (with AUTOTUNE_STORAGE set to its URL)""")
 
 
 def shown(url: str) -> str:
@@ -48,6 +53,11 @@ def storage_errors(url: str) -> Iterator[None]:
     except ImportError as exc:
         raise StorageError(f"no database driver for the storage URL {shown(url)!r} is installed ({exc}); for "
                            "PostgreSQL: pip install 'psycopg[binary]'") from None
+    except RuntimeError as exc:   # Optuna's check of its tables' version: the one error it raises as a RuntimeError
+        if "compatible with the table schema" not in str(exc):
+            raise
+        raise StorageError(f"cannot use the study storage {shown(url)}: {exc}".replace(
+            "`$ optuna storage upgrade --storage $STORAGE_URL`", UPGRADE_COMMAND)) from None
     except sqlalchemy.exc.DBAPIError as exc:
         reason = database_says(exc)
         kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
@@ -69,8 +79,18 @@ def database_error(exc: BaseException) -> sqlalchemy.exc.DBAPIError | None:
 
 
 def database_says(error: sqlalchemy.exc.DBAPIError) -> str:
-    """The database's own message, on one line (without SQLAlchemy's statement and links)."""
-    return " ".join(str(error.orig).split())
+    """The database's own message, on one line (without SQLAlchemy's statement and links, nor PostgreSQL's copy of
+    a row it refused, which may hold a job's config)."""
+    said = str(error.orig).split("DETAIL:  Failing row contains")[0]
+    return " ".join(line.strip() for line in said.splitlines()       # less PostgreSQL's quote of the statement
+                    if line.strip() and not re.match(r"LINE \d+:|\s*\^\s*$", line))
+
+
+def tables_differ(error: sqlalchemy.exc.DBAPIError) -> bool:
+    """Whether the database refused a statement for its tables (a column or table missing or changed by hand), as
+    opposed to not answering. SQLite says so with an OperationalError, as it says most things."""
+    return not isinstance(error, CONNECTION_ERRORS) or "no such table" in str(error.orig) \
+        or "no such column" in str(error.orig)
 
 
 def reachable(engine: sqlalchemy.engine.Engine) -> bool:
