@@ -136,8 +136,9 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
 def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn, example_inputs: Any = None,
                  measurer: Measurer | None = None, callbacks: Sequence[TrialCallback] = (), *,
                  eval_args: Sequence[Any] | None = None, run_fn: Callable[..., Any] | None = None,
-                 run_args: Sequence[Any] | None = None) -> TrialRunner:
-    """Opens (or joins) the study and makes it ready for trials: signals, search space, baseline score.
+                 run_args: Sequence[Any] | None = None, storage: RDBStorage | None = None) -> TrialRunner:
+    """Opens (or joins) the study and makes it ready for trials: signals, search space, baseline score. `storage`,
+    where given, is used instead of opening `tune_config.storage` (a service's worker opens its own).
 
     Several processes may do this on one study at once: the first measures the signals under the study's setup
     lease and then evaluates the baseline; the others reuse the signals and start trials at once, judging them
@@ -161,7 +162,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     candidates = search_candidates(fp32, config)
     untuned_weights(fp32, candidates)
     unlowerable(fp32, candidates)
-    storage = open_storage(config.storage, config.heartbeat_interval, config.grace_period)
+    storage = storage or open_storage(config.storage, config.heartbeat_interval, config.grace_period)
     weights = studies.weights_signature(fp32)
     name = study_name_for(model, config, candidates, storage, weights)
     study = studies.open_study(config, name, candidates, storage, weights)

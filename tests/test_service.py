@@ -15,6 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import resume_workload
+import worker_workload
 import yaml
 from conftest import refusing_connections
 from test_resume_kill import cli_env
@@ -94,17 +95,18 @@ def test_two_workers_sharing_nothing_but_postgresql_evaluate_each_plan_once(tmp_
     assert study.user_attrs["autotune.best"]["plan"] == resume_workload.expected_plan()
 
 
-def in_eval_fn(storage: str, name: str, pid: int) -> bool:
-    """Whether process `pid` runs a trial it started under 0.2 s ago: inside its eval_fn call (0.5 s), so a kill
-    now interrupts it (a worker between trials, or timing one, may end it before the kill lands)."""
+def trial_in_eval_fn(storage: str, name: str, pid: int, within_s: float = 0.2) -> int | None:
+    """The number of a trial process `pid` runs and started under `within_s` ago: inside its eval_fn call (0.5 s in
+    the kill test), so a kill now interrupts it (a worker between trials, or timing one, may end it before the
+    kill lands). None where there is none."""
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
-        return False
+        return None
     now = datetime.datetime.now()
-    return any(f":{pid}:" in trial.user_attrs.get(RUNNER_ATTR, "") and trial.datetime_start
-               and (now - trial.datetime_start).total_seconds() < 0.2
-               for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)))
+    return next((trial.number for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                 if f":{pid}:" in trial.user_attrs.get(RUNNER_ATTR, "") and trial.datetime_start
+                 and (now - trial.datetime_start).total_seconds() < within_s), None)
 
 
 def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, postgres):
@@ -116,7 +118,7 @@ def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, p
     procs = [subprocess.Popen(tune_command(config, postgres), cwd=tmp_path, env=separate_machine_env(tmp_path, i),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     deadline = time.monotonic() + 120
-    while len(logged_calls(log)) < 3 or not in_eval_fn(postgres, "killed", procs[0].pid):   # some trials done
+    while len(logged_calls(log)) < 3 or trial_in_eval_fn(postgres, "killed", procs[0].pid) is None:   # some trials done
         assert time.monotonic() < deadline, "the first worker was never seen inside an eval_fn call"
         time.sleep(0.05)
     procs[0].send_signal(signal.SIGKILL)
@@ -440,3 +442,33 @@ def test_tables_changed_by_hand_or_by_an_old_optuna_are_said_so_without_the_url_
                               capture_output=True, text=True, timeout=120)
     assert upgraded.returncode == 0, upgraded.stderr
     assert runner.invoke(main, ["list", "--storage", postgres]).exit_code == 0     # the hint did what it said
+
+
+def test_a_score_finished_while_the_database_was_away_is_kept_not_evaluated_again(tmp_path, postgres_server, postgres):
+    """A blip of a few seconds threw away the trial whose eval_fn was running: its score, finished while the server
+    came back, was never written, and its plan was evaluated again once the heartbeat check failed it."""
+    log = tmp_path / "evals.log"
+    config = resume_workload.write_config(
+        tmp_path, "blip", {"eval_fn": "worker_workload:logged_eval", "kwargs": {"log_path": str(log), "delay_s": 2.0}},
+        max_trials=4, patience=100, repeats=3, heartbeat_interval=1, grace_period=10)
+    env = {**cli_env(), "AUTOTUNE_STORAGE": postgres}
+    assert run_cli("submit", str(config), cwd=tmp_path, env=env).returncode == 0
+    worker = subprocess.Popen([sys.executable, "-m", "autotune", "worker", "--exit-when-idle", "--poll", "0.2",
+                               "--allow", "resume_workload:*", "--allow", "worker_workload:*"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while (cut := trial_in_eval_fn(postgres, "blip", worker.pid, within_s=0.8)) is None:
+        assert time.monotonic() < deadline and worker.poll() is None, "the worker was never seen in an eval_fn call"
+        time.sleep(0.05)
+    with refusing_connections(postgres_server, postgres):
+        time.sleep(4)        # the eval_fn call ends in the outage
+    output = worker.communicate(timeout=600)[0]
+    assert worker.returncode == 0 and "Traceback" not in output, output
+    assert "the study storage is unreachable" in output and "answers again" in output, output
+    study = optuna.load_study(study_name="blip", storage=postgres)
+    assert study.trials[cut].state == optuna.trial.TrialState.COMPLETE, output
+    assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.FAIL], output
+    evaluated = [plan for _, plan in logged_calls(log)]
+    winner = worker_workload.plan_code(resume_workload.expected_plan())
+    repeated = {plan for plan in evaluated if evaluated.count(plan) > (2 if plan == winner else 1)}
+    assert not repeated, evaluated

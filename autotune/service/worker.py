@@ -5,9 +5,10 @@ ends takes the study's "finish" lease and marks the job finishing: it waits for 
 elsewhere, verifies the winner and marks the job done, while the other workers go on to other jobs (a finishing
 job is handed out again only if its finisher dies). A job that cannot run (malformed YAML, a missing data file, an
 import path its worker does not allow, an eval_fn that fails at the baseline) fails alone with its reason.
-A database that stops answering (a server restart, a failover, a network cut) fails no job: the worker waits
-for it and takes its job up again where the study stands; only the trial it was running is lost, and that
-trial's plan is queued again once its heartbeat is found stale.
+A database that stops answering (a server restart, a failover, a network cut) fails no job: a running trial's
+reads and writes wait for it, so a score its eval_fn finished meanwhile is kept; elsewhere the worker waits for
+it and takes its job up again where the study stands (a trial that the other workers' stale-trial check failed
+meanwhile is lost, and its plan queued again).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from autotune.search.trials import TrialRunner, fail_stale_trials
 from autotune.service.jobs import CANCELLED, DONE, FAILED, FINISH_LEASE, FINISHING, RUNNING, Job, JobQueue
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
-from autotune.storage.rdb import lost_connection, wait_until_reachable
+from autotune.storage.rdb import lost_connection, open_storage, wait_until_reachable
 from autotune.tuner import finish, search, start_runner
 
 log = logging.getLogger("autotune")
@@ -103,8 +104,10 @@ class Worker:
         try:
             config = job_config(job, self.allow)
             tuning = config.tuning.model_copy(update={"storage": self.storage_url})
+            storage = open_storage(self.storage_url, tuning.heartbeat_interval, tuning.grace_period,
+                                   waits_out_outages=True)
             runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
-                                  config.build_example_inputs(), run_fn=config.build_run_fn())
+                                  config.build_example_inputs(), run_fn=config.build_run_fn(), storage=storage)
             self.queue.set_study(job.id, runner.study.study_name)
             stopped = search(runner, started, should_stop=self._cancelled(job.id))
             log.info("job %d: search stopped: %s", job.id, stopped)

@@ -6,13 +6,15 @@ import logging
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UNENCODED_AT, StorageError, describe, masked, unencoded_at
 
@@ -171,9 +173,39 @@ class SteadyHeartbeatStorage(RDBStorage):
     thread ends at the first write that fails; the trial it beat for then runs on unseen, and once the database
     answers again the other workers' stale-trial check fails it and queues its plan for a second evaluation
     while its own process is still evaluating it. Here a failed write is logged (once per outage) and the next
-    one tried at the next beat."""
+    one tried at the next beat.
+
+    With `waits_out_outages` (a service's worker), a running trial's reads and writes wait for a database that
+    stopped answering, rather than failing: an eval_fn's finished score is written once it answers again, where it
+    had been lost with its trial. The trial's heartbeat is written first, so that the other workers' stale-trial
+    check leaves it alone; if that check failed it during the outage, the error is raised as before."""
 
     _failing = False
+    waits_out_outages = False
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._waiting_out_outages(super().set_trial_user_attr, trial_id, key, value)
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._waiting_out_outages(super().set_trial_system_attr, trial_id, key, value)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        return self._waiting_out_outages(super().set_trial_state_values, trial_id, state, values)
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        return self._waiting_out_outages(super().get_trial, trial_id, writes=False)
+
+    def _waiting_out_outages(self, call: Callable[..., Any], trial_id: int, *args: Any, writes: bool = True) -> Any:
+        while True:
+            try:
+                return call(trial_id, *args)
+            except Exception as exc:
+                if not self.waits_out_outages or not lost_connection(exc, self.engine):
+                    raise
+                wait_until_reachable(self.engine, exc)
+                self.record_heartbeat(trial_id)
+                if writes and RDBStorage.get_trial(self, trial_id).state.is_finished():
+                    raise     # failed meanwhile by a stale-trial check elsewhere (its plan is queued again)
 
     def record_heartbeat(self, trial_id: int) -> None:
         try:
@@ -190,7 +222,8 @@ class SteadyHeartbeatStorage(RDBStorage):
             self._failing = False
 
 
-def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30) -> RDBStorage:
+def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30,
+                 waits_out_outages: bool = False) -> RDBStorage:
     """An RDB storage whose running trials beat: a process killed mid-trial stops beating, and after the grace
     period the next run (or another worker) marks its trial FAILED and the retry callback queues the plan again.
 
@@ -204,6 +237,8 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
         url: an SQLAlchemy database URL; a missing SQLite file (and its folder) is created.
         heartbeat_interval: seconds between a running trial's heartbeats.
         grace_period: seconds without a heartbeat after which a running trial counts as dead.
+        waits_out_outages: a running trial's reads and writes wait for a database that stopped answering
+            (SteadyHeartbeatStorage), as a service's worker does; else they raise.
     Returns:
         Optuna's RDBStorage on that database.
     Raises:
@@ -234,6 +269,7 @@ def open_storage(url: str, heartbeat_interval: int = 10, grace_period: int = 30)
                 if not raced or attempt == SCHEMA_ATTEMPTS - 1:
                     raise
                 time.sleep(0.2 * (attempt + 1))
+    storage.waits_out_outages = waits_out_outages
     if url.startswith("sqlite"):
         sqlalchemy.event.listen(storage.engine, "connect", _sqlite_wal)
         sqlalchemy.event.listen(storage.engine, "begin", _begin_immediate)
