@@ -361,3 +361,40 @@ def test_transformers_own_output_capturing_hooks_are_not_counted_as_a_users():
     assert hooked_modules(model) == []
     model.decode_head.classifier.register_forward_hook(lambda module, args, out: None)
     assert hooked_modules(model) == ["decode_head.classifier"]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_int8_attention_is_called_and_answers_as_the_multihead_attention_it_replaces(batch_first):
+    """Self- and cross-attention, boolean padding and causal masks, with or without (per-head) weights, unbatched:
+    each output within int8's error of torch's own, each of the same shape; the fp32 module is left as it was."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 4, batch_first=batch_first).eval()
+    before = {name: tensor.clone() for name, tensor in attention.state_dict().items()}
+    lowered = get_backend("int8").apply(attention, None)
+
+    def laid_out(batch, length):
+        return torch.randn(batch, length, 32) if batch_first else torch.randn(length, batch, 32)
+
+    q, memory, single = laid_out(3, 7), laid_out(3, 9), torch.randn(7, 32)
+    padding = torch.zeros(3, 9, dtype=torch.bool)
+    padding[:, 6:] = True
+    causal = torch.triu(torch.ones(7, 7, dtype=torch.bool), 1)
+    calls = [((q, q, q), {}), ((q, q, q), {"attn_mask": causal, "is_causal": True, "need_weights": False}),
+             ((q, q, q), {"attn_mask": causal, "average_attn_weights": False}),
+             ((q, memory, memory), {"key_padding_mask": padding}), ((single, single, single), {})]
+    with torch.inference_mode():
+        for args, kwargs in calls:
+            (out, weights), (ours, our_weights) = attention(*args, **kwargs), lowered(*args, **kwargs)
+            assert out.shape == ours.shape and relative_error(ours, out) < 5e-2, kwargs
+            assert (weights is None) == (our_weights is None), kwargs
+            if weights is not None:
+                assert weights.shape == our_weights.shape and relative_error(our_weights, weights) < 5e-2, kwargs
+    assert lowered.batch_first == batch_first and lowered.in_proj_bias is not None and lowered._qkv_same_embed_dim
+    assert all(torch.equal(tensor, before[name]) for name, tensor in attention.state_dict().items())
+    assert weight_bytes(lowered) < weight_bytes(attention) / 2   # int8 weights, their scales, fp32 biases
+    saved = io.BytesIO()
+    torch.save(lowered, saved)
+    saved.seek(0)
+    with torch.inference_mode():
+        assert torch.equal(torch.load(saved, weights_only=False)(q, q, q)[0], lowered(q, q, q)[0])
+    assert not get_backend("int8").supports(nn.MultiheadAttention(32, 4, kdim=16, vdim=16), CPU)

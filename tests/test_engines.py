@@ -59,6 +59,25 @@ def test_the_compiled_engine_keeps_the_plans_fp32_modules_fp32():
     assert ((out - reference).norm() / reference.norm()).item() < 0.05
 
 
+@pytest.mark.parametrize("attention", ["int8", "fp32"])
+def test_the_compiled_engine_quantises_an_attentions_projections_where_the_plan_puts_it_in_int8(attention):
+    """nn.MultiheadAttention holds its input projection as a parameter of its own and reads out_proj's weight, calling
+    neither as a module, so exported they are linears no quantizer pattern matches: in int8 it is quantised as the
+    attention calling them as Linears (in_proj, out_proj), in fp32 left as it is."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+    x = torch.randn(4, 10, 32, generator=torch.Generator().manual_seed(1))
+    plan = {"self_attn": attention, "linear1": "int8", "linear2": "int8"}
+    assert CompiledEngine().unsupported(plan, model) is None
+    converted = realise(model, plan, "compiled", Calibration([((x,), {})], {}))
+    expected = ({"self_attn.in_proj": "int8", "self_attn.out_proj": "int8"} if attention == "int8"
+                else {"self_attn": "fp32"})
+    assert weight_of_each_linear(converted) == {**expected, "linear1": "int8", "linear2": "int8"}
+    with torch.no_grad():
+        reference, out = model(x), converted(x)
+    assert ((out - reference).norm() / reference.norm()).item() < 0.05
+
+
 def test_the_compiled_engine_quantises_activations_to_seven_bits_where_the_cpu_lacks_vnni(monkeypatch):
     from autotune.backends import quantized
 

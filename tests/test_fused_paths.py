@@ -82,9 +82,10 @@ def test_attention_is_one_unit_with_its_projections_and_runs_lowered_inside_its_
     model, call_inputs = Encoder().eval(), inputs(padded)
     candidates = search_candidates(model, TuningConfig())
     attention = [f"enc.layers.{i}.self_attn" for i in range(2)]
-    assert all("bf16" in candidates[name] and "int8" not in candidates[name] for name in attention)
+    assert all("bf16" in candidates[name] and "int8" in candidates[name] for name in attention)
     assert not [name for name in candidates if "out_proj" in name]     # the attention owns it
     reference = run(model, call_inputs)
-    tuned = apply_plan(model, dict.fromkeys(attention, "bf16"), record_module_inputs(model, attention, call_inputs))
-    output = run(tuned, call_inputs)
-    assert torch.allclose(output, reference, atol=0.05) and not torch.equal(output, reference)
+    for dtype in ("bf16", "int8"):
+        tuned = apply_plan(model, dict.fromkeys(attention, dtype), record_module_inputs(model, attention, call_inputs))
+        output = run(tuned, call_inputs)
+        assert torch.allclose(output, reference, atol=0.05) and not torch.equal(output, reference)

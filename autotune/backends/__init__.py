@@ -8,6 +8,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs, Technique, technique_of
 from autotune.backends.cast import CastConfig, KeepFp32Config, held_dtype
+from autotune.backends.int8_attention import Int8DynamicMHAConfig
 from autotune.backends.int8_conv import Int8StaticConv1dConfig, Int8StaticConv2dConfig
 from autotune.backends.int8_linear import Int8DynamicConv1DConfig, Int8DynamicLinearConfig
 from autotune.backends.int8_rnn import Int8DynamicRNNConfig
@@ -89,10 +90,10 @@ def _device_of(module: nn.Module) -> torch.device:
 
 for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torch.float16), Int8StaticConv2dConfig(),
                    Int8StaticConv1dConfig(), Int8DynamicLinearConfig(), Int8DynamicConv1DConfig(),
-                   Int8DynamicRNNConfig()):
+                   Int8DynamicRNNConfig(), Int8DynamicMHAConfig()):
     register_technique(_technique)
 
 __all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicConv1DConfig", "Int8DynamicLinearConfig",
-           "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig", "KeepFp32Config", "Technique",
-           "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique", "technique_of",
-           "unregister_technique"]
+           "Int8DynamicMHAConfig", "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig",
+           "KeepFp32Config", "Technique", "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique",
+           "technique_of", "unregister_technique"]

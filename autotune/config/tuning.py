@@ -97,7 +97,7 @@ class MixedPrecisionConfig(ConfigModel):
                                  "ConvTranspose3d", "Conv1D", "LSTM", "GRU", "LSTMCell", "GRUCell",
                                  "MultiheadAttention"], min_length=1,
         description="class names (or dotted import paths) of the modules to tune; Conv1D is transformers' "
-                    "GPT-style projection; a MultiheadAttention is one unit with its projections (bf16 / fp16)")
+                    "GPT-style projection; a MultiheadAttention is one unit with its projections")
     include: list[str] = Field(default_factory=list, description="only modules matching one of these")
     exclude: list[str] = Field(default_factory=list, description="never modules matching one of these")
 

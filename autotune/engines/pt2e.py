@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
+from autotune.backends.int8_attention import ProjectedAttention, is_packed_attention
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
 from autotune.backends.quantized import explicit_padding, resolve_reduce_range
 from autotune.clone import clone
@@ -24,6 +25,7 @@ from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
+from autotune.fused_paths import calls_children_as_modules
 from autotune.model_call import call, fresh
 from autotune.plan import Plan
 from autotune.tree import map_tensors, tensors
@@ -143,12 +145,16 @@ def _integers_unobserved(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule
 
 def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
     """`fp32`, or a copy of it where the modules are what the quantizer realises right: the plan's int8 GPT-style
-    Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name; an int8
-    Linear's weight that is a strided view (a transposed tied weight) as a tensor of its own, since inductor's frozen
-    int8 linear read such a view wrongly (torch 2.13: outputs 120 % off); and any convolution padded "same" or
-    "valid" with that padding as numbers (see _numeric_padding)."""
+    Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name; its
+    int8 nn.MultiheadAttention as the ProjectedAttention calling its projections as nn.Linear modules (the
+    quantizer finds linears by the module or function they came from, and torch's attention's come from the
+    attention itself: no pattern matched them), with the fused paths above it off; an int8 Linear's weight that is
+    a strided view (a transposed tied weight) as a tensor of its own, since inductor's frozen int8 linear read such
+    a view wrongly (torch 2.13: outputs 120 % off); and any convolution padded "same" or "valid" with that padding
+    as numbers (see _numeric_padding)."""
     def needs_change(module: nn.Module) -> bool:
-        return is_gpt_conv1d(module) or (isinstance(module, nn.Linear) and not module.weight.is_contiguous())
+        return (is_gpt_conv1d(module) or is_packed_attention(module)
+                or (isinstance(module, nn.Linear) and not module.weight.is_contiguous()))
 
     names = [n for n, dtype in plan.items() if dtype == "int8" and needs_change(fp32.get_submodule(n))]
     padded = [n for n, module in fp32.named_modules() if _numeric_padding(module) is not None]
@@ -159,11 +165,14 @@ def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
         module = model.get_submodule(name)
         if is_gpt_conv1d(module):
             model.set_submodule(name, conv1d_as_linear(module))
+        elif is_packed_attention(module):
+            model.set_submodule(name, ProjectedAttention(module, lambda linear: linear))
         else:
             module.weight = nn.Parameter(module.weight.detach().contiguous(), module.weight.requires_grad)
     for name in padded:
         module = model.get_submodule(name)
         module.padding = _numeric_padding(module)
+    calls_children_as_modules(model, names)
     return model
 
 
@@ -203,9 +212,9 @@ class CompiledEngine:
             return "the plan keeps every module in fp32"
         for name in (n for n, dtype in plan.items() if dtype == "int8"):
             module = fp32.get_submodule(name)
-            if not isinstance(module, QUANTISED) and not is_gpt_conv1d(module):   # no pattern the quantizer has
-                return (f"the compiled engine quantises nn.Linear, nn.Conv2d and GPT-style Conv1D only, not "
-                        f"{type(module).__name__} ({name})")
+            if not isinstance(module, QUANTISED) and not is_gpt_conv1d(module) and not is_packed_attention(module):
+                return (f"the compiled engine quantises nn.Linear, nn.Conv2d, GPT-style Conv1D and "
+                        f"nn.MultiheadAttention only, not {type(module).__name__} ({name})")
         return None
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
