@@ -64,6 +64,13 @@ class FrozenCompiled(nn.Module):
         if self.example is None:   # not inference tensors: export would trace them into the plan's fp32 modules
             with torch.inference_mode(False):
                 self.example = map_tensors((args, kwargs), torch.zeros_like)
+        # Inductor's int8 linear fused with the residual add after it writes the sum into the addend, also where that
+        # is an input of the graph (torch 2.13: a transformer layer's first residual): the caller's tensor came back
+        # changed, and an eval_fn's data with it. The graph gets copies of the floating-point inputs.
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            args = tuple(a.clone() if a.is_floating_point() else a for a in args)
+        else:
+            args, kwargs = map_tensors((args, kwargs), _copied_if_floating)
         return self._frozen_call(*args, **kwargs)
 
     def _frozen_call(self, *args, **kwargs):
@@ -118,6 +125,10 @@ class FrozenCompiled(nn.Module):
 
 
 _said_unfrozen = False   # the first model freezing fails on is warned of; later ones logged at INFO
+
+
+def _copied_if_floating(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone() if tensor.is_floating_point() else tensor
 
 
 class _Calls(nn.Module):

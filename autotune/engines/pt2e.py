@@ -19,7 +19,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.backends.int8_attention import ProjectedAttention, is_packed_attention
 from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
-from autotune.backends.quantized import explicit_padding, resolve_reduce_range
+from autotune.backends.quantized import explicit_padding, plain_type, resolve_reduce_range
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
@@ -143,18 +143,38 @@ def _integers_unobserved(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule
     return prepared
 
 
+def _left_in_fp32(converted: torch.fx.GraphModule, plan: Plan) -> list[str]:
+    """The plan's int8 modules none of whose linears and convolutions in the converted graph reads a dequantised
+    weight: the quantizer annotates what its patterns match, and says nothing of a module they missed."""
+    int8 = [name for name, dtype in plan.items() if dtype == "int8"]
+    seen, quantised = set(), set()
+    for node in converted.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op != "call_function" or not stack or len(node.args) < 2 or not any(
+                kind in str(node.target) for kind in ("linear", "conv")):
+            continue
+        path = list(stack.values())[-1][0]
+        owner = next((name for name in int8 if path == name or path.startswith(f"{name}.")), None)
+        if owner is not None:
+            seen.add(owner)
+            weight = node.args[1]
+            if isinstance(weight, torch.fx.Node) and "dequantize" in str(weight.target):
+                quantised.add(owner)
+    return sorted(seen - quantised)
+
+
 def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
     """`fp32`, or a copy of it where the modules are what the quantizer realises right: the plan's int8 GPT-style
     Conv1D (GPT-2's projections, an addmm it has no pattern for) as the nn.Linear it computes, under its name; its
     int8 nn.MultiheadAttention as the ProjectedAttention calling its projections as nn.Linear modules (the
     quantizer finds linears by the module or function they came from, and torch's attention's come from the
-    attention itself: no pattern matched them), with the fused paths above it off; an int8 Linear's weight that is
-    a strided view (a transposed tied weight) as a tensor of its own, since inductor's frozen int8 linear read such
-    a view wrongly (torch 2.13: outputs 120 % off); and any convolution padded "same" or "valid" with that padding
-    as numbers (see _numeric_padding)."""
+    attention itself: no pattern matched them), with the fused paths above it off; an int8 Linear that runs
+    Linear's forward as a plain nn.Linear (a subclass, or one with a parametrized weight, is no module the quantizer
+    matches), on a weight of its own where it was a strided view (a transposed tied weight: inductor's frozen int8
+    linear read such a view wrongly, torch 2.13: outputs 120 % off); and any convolution padded "same" or "valid"
+    with that padding as numbers (see _numeric_padding)."""
     def needs_change(module: nn.Module) -> bool:
-        return (is_gpt_conv1d(module) or is_packed_attention(module)
-                or (isinstance(module, nn.Linear) and not module.weight.is_contiguous()))
+        return is_gpt_conv1d(module) or is_packed_attention(module) or _unplain_linear(module)
 
     names = [n for n, dtype in plan.items() if dtype == "int8" and needs_change(fp32.get_submodule(n))]
     padded = [n for n, module in fp32.named_modules() if _numeric_padding(module) is not None]
@@ -168,12 +188,27 @@ def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
         elif is_packed_attention(module):
             model.set_submodule(name, ProjectedAttention(module, lambda linear: linear))
         else:
-            module.weight = nn.Parameter(module.weight.detach().contiguous(), module.weight.requires_grad)
+            model.set_submodule(name, _as_plain_linear(module))
     for name in padded:
         module = model.get_submodule(name)
         module.padding = _numeric_padding(module)
     calls_children_as_modules(model, names)
     return model
+
+
+def _unplain_linear(module: nn.Module) -> bool:
+    """An nn.Linear computing Linear's forward that the quantizer would miss (not of type nn.Linear itself) or
+    realise wrongly (its weight a strided view)."""
+    return (isinstance(module, nn.Linear) and plain_type(module).forward is nn.Linear.forward
+            and (type(module) is not nn.Linear or not module.weight.is_contiguous()))
+
+
+def _as_plain_linear(module: nn.Linear) -> nn.Linear:
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    if module.bias is not None:
+        linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear
 
 
 def _numeric_padding(module: nn.Module) -> tuple[int, ...] | None:
@@ -241,7 +276,11 @@ class CompiledEngine:
             with torch.no_grad():
                 for batch in calibration.batches:
                     call(prepared, batch)
-            return _without_unread_tensors(convert_pt2e(prepared))
+            converted = _without_unread_tensors(convert_pt2e(prepared))
+        if left := _left_in_fp32(converted, plan):
+            raise EngineUnavailable(f"the quantizer matched no pattern in {', '.join(left)}, which the plan puts in "
+                                    "int8: the plan would run, labelled int8, with those modules in fp32")
+        return converted
 
     def runnable(self, built: nn.Module) -> nn.Module:
         return SavedAsExported(built)
@@ -252,7 +291,8 @@ class CompiledEngine:
             _write_exported(built, _by_position(inspect.signature(built.forward), *inputs), out)
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
                 "torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
-                "(inductor then runs int8 kernels)")
+                "(inductor then runs int8 kernels) on copies of the inputs you keep (its int8 linear fused with a "
+                "residual add can write the sum into an input)")
 
     def load(self, path: str) -> nn.Module:
         quantised_ops_registered()
