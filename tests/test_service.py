@@ -432,7 +432,7 @@ def test_tables_changed_by_hand_or_by_an_old_optuna_are_said_so_without_the_url_
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert "once it answers" not in result.output and "s3cr3t" not in result.output, result.output
         outputs.append(result.output)
-    assert "refused a statement" in outputs[0] and "team" in outputs[0] and "tables differ" in outputs[0]
+    assert "refused a statement" in outputs[0] and "team" in outputs[0] and "no longer match" in outputs[0]
     assert "refused a statement" in outputs[1] and "priority" in outputs[1] and "LINE 1" not in outputs[1]
     password = sqlalchemy.engine.make_url(postgres).password
     assert "os.environ['AUTOTUNE_STORAGE']" in outputs[2] and "upgrade()" in outputs[2], outputs[2]

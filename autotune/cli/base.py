@@ -130,8 +130,8 @@ def _as_cli_error(exc: Exception) -> click.ClickException:
     if isinstance(exc, AutotuneError):
         return CliError(str(exc))
     if (error := database_error(exc)) is not None and tables_differ(error):   # SQLAlchemy's, or Optuna's from it
-        return CliError(f"the study storage refused a statement: {database_says(error)}; its tables differ from "
-                        "those autotune and Optuna write (changed by hand, or by another version?)")
+        return CliError(f"the study storage refused a statement: {database_says(error)}; where its tables were "
+                        "changed by hand or by another version, they no longer match what this one writes")
     if error is not None:
         return CliError(f"the study storage failed: {database_says(error)}; once it answers, run the command "
                         "again (a tuning run resumes from its finished trials)")
