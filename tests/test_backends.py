@@ -398,3 +398,5 @@ def test_int8_attention_is_called_and_answers_as_the_multihead_attention_it_repl
     with torch.inference_mode():
         assert torch.equal(torch.load(saved, weights_only=False)(q, q, q)[0], lowered(q, q, q)[0])
     assert not get_backend("int8").supports(nn.MultiheadAttention(32, 4, kdim=16, vdim=16), CPU)
+    with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):   # as torch's module:
+        lowered(q, q, q, is_causal=True)       # a causal mask applied without one changed what the model computes

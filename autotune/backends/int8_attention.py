@@ -60,6 +60,8 @@ class ProjectedAttention(nn.Module):
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if is_causal and attn_mask is None:   # torch's own words; a causal mask applied here would change the model
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint")
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(0 if self.batch_first else 1) for t in (query, key, value))
