@@ -34,6 +34,7 @@ log = logging.getLogger("autotune")
 
 REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
+WEIGHTED_OPS = ("linear", "conv1d", "conv2d", "conv3d", "convolution")   # their ops in an exported graph
 
 
 def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict, batches: list[CallInputs] | None = None) -> dict:
@@ -151,7 +152,7 @@ def _left_in_fp32(converted: torch.fx.GraphModule, plan: Plan) -> list[str]:
     for node in converted.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if node.op != "call_function" or not stack or len(node.args) < 2 or not any(
-                kind in str(node.target) for kind in ("linear", "conv")):
+                kind in str(node.target) for kind in WEIGHTED_OPS):
             continue
         path = list(stack.values())[-1][0]
         owner = next((name for name in int8 if path == name or path.startswith(f"{name}.")), None)
