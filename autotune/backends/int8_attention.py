@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autotune.backends.base import CallInputs, Technique
-from autotune.backends.int8_linear import DynamicInt8Linear
+from autotune.backends.int8_linear import DynamicInt8Linear, linear_on
 from autotune.backends.quantized import engine_available, plain_type, resolve_reduce_range
 
 
@@ -40,13 +40,8 @@ class ProjectedAttention(nn.Module):
         super().__init__()
         self.embed_dim, self.num_heads = attention.embed_dim, attention.num_heads
         self.batch_first = attention.batch_first
-        packed = nn.Linear(self.embed_dim, 3 * self.embed_dim, bias=attention.in_proj_bias is not None,
-                           device="meta")
-        packed.weight = attention.in_proj_weight
-        packed.bias = attention.in_proj_bias
-        out = nn.Linear(self.embed_dim, self.embed_dim, bias=attention.out_proj.bias is not None, device="meta")
-        out.weight, out.bias = attention.out_proj.weight, attention.out_proj.bias
-        self.in_proj, self.out_proj = project(packed), project(out)
+        self.in_proj = project(linear_on(attention.in_proj_weight, attention.in_proj_bias))
+        self.out_proj = project(linear_on(attention.out_proj.weight, attention.out_proj.bias))
 
     @property
     def in_proj_weight(self) -> torch.Tensor:

@@ -77,11 +77,20 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
         return DynamicInt8Linear(conv1d_as_linear(module), resolve_reduce_range(self.reduce_range), self.engine)
 
 
+def linear_on(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear computing with `weight` (out features x in features) and `bias`: Parameters as they are (shared
+    with the module holding them), other tensors as Parameters without gradients."""
+    def parameter(tensor: torch.Tensor) -> nn.Parameter:
+        return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = parameter(weight)
+    if bias is not None:
+        linear.bias = parameter(bias)
+    return linear
+
+
 def conv1d_as_linear(module: nn.Module) -> nn.Linear:
     """The nn.Linear a GPT-style Conv1D computes, on its weight transposed into a tensor of its own (see
     autotune.engines.pt2e for why not a view)."""
-    linear = nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
-    linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)
-    if module.bias is not None:
-        linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-    return linear
+    return linear_on(module.weight.detach().t().contiguous(), None if module.bias is None else module.bias.detach())

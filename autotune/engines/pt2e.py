@@ -18,7 +18,7 @@ from torch import nn
 
 from autotune.backends.base import CallInputs
 from autotune.backends.int8_attention import ProjectedAttention, is_packed_attention
-from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d
+from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d, linear_on
 from autotune.backends.quantized import explicit_padding, plain_type, resolve_reduce_range
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
@@ -189,7 +189,8 @@ def _ready_to_quantise(fp32: nn.Module, plan: Plan) -> nn.Module:
         elif is_packed_attention(module):
             model.set_submodule(name, ProjectedAttention(module, lambda linear: linear))
         else:
-            model.set_submodule(name, _as_plain_linear(module))
+            model.set_submodule(name, linear_on(module.weight.detach().contiguous(),
+                                                None if module.bias is None else module.bias.detach()))
     for name in padded:
         module = model.get_submodule(name)
         module.padding = _numeric_padding(module)
@@ -202,14 +203,6 @@ def _unplain_linear(module: nn.Module) -> bool:
     realise wrongly (its weight a strided view)."""
     return (isinstance(module, nn.Linear) and plain_type(module).forward is nn.Linear.forward
             and (type(module) is not nn.Linear or not module.weight.is_contiguous()))
-
-
-def _as_plain_linear(module: nn.Linear) -> nn.Linear:
-    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-    linear.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if module.bias is not None:
-        linear.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-    return linear
 
 
 def _numeric_padding(module: nn.Module) -> tuple[int, ...] | None:
