@@ -112,10 +112,11 @@ class Worker:
             stopped = search(runner, started, should_stop=self._cancelled(job.id))
             log.info("job %d: search stopped: %s", job.id, stopped)
             state = self.queue.get(job.id).state
-            if state in (RUNNING, FINISHING) and (best := studies.standing_best(runner.study, tuning)) is not None:
-                self._already_tuned(job, runner.study.study_name, best)
-            elif state in (RUNNING, FINISHING):
-                self._finish(job, runner, started)
+            if state in (RUNNING, FINISHING):
+                if (best := studies.standing_best(runner.study, tuning)) is not None:
+                    self._already_tuned(job, runner.study.study_name, best)
+                else:
+                    self._finish(job, runner, started)
             elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
                 studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
