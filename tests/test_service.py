@@ -408,6 +408,26 @@ def test_the_same_config_submitted_twice_is_noted_and_its_second_job_keeps_the_r
     assert "job 1" not in third.output and "note: study twice was tuned already" in third.output, third.output
 
 
+def test_a_queued_job_whose_yaml_cannot_be_read_does_not_stop_another_job_being_submitted(tmp_path, monkeypatch):
+    """Submitting looks for other open jobs of the same study in their YAML: a job queued through the Python API
+    with broken YAML made every later `submit` fail with that job's syntax error."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    queue = JobQueue(open_storage(url))
+    broken = queue.submit("tuning: [study_name: x", str(tmp_path), "broken.yaml")
+    named = queue.submit(yaml.safe_dump({"tuning": {"study_name": "shared"}}), str(tmp_path), "named.yaml")
+    config = str(write_job(tmp_path, "shared", {"eval_fn": "resume_workload:fidelity_eval"}))
+    result = CliRunner().invoke(main, ["submit", config, "--storage", url])
+    assert result.exit_code == 0, result.output
+    assert f"note: job {named} (queued) tunes study shared too" in result.output
+    assert f"job {broken}" not in result.output
+    assert [job.id for job in queue.of_study("shared", ("queued",))] == [named, named + 1]
+
+
 def test_tables_changed_by_hand_or_by_an_old_optuna_are_said_so_without_the_url_or_a_jobs_config(tmp_path, postgres):
     """A column dropped by hand read as an outage ("once it answers, run the command again"), a refused row was
     quoted with the job's config in it, and Optuna's schema-version error was an "unexpected" exit 1 whose hint

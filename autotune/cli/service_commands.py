@@ -13,7 +13,7 @@ import optuna
 from autotune.cli.base import main, open_existing_storage, storage_option
 from autotune.config.file import check_without_imports, read_yaml
 from autotune.result import best_speedup, table
-from autotune.service.jobs import OPEN, Job, JobQueue
+from autotune.service.jobs import OPEN, JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, open_storage_once_up, shown
@@ -43,7 +43,7 @@ def submit(config_path: str, storage: str, priority: int) -> None:
 def _earlier_work(storage, queue: JobQueue, study_name: str) -> list[str]:
     """What a job naming `study_name` meets: the study tuned already, or other open jobs tuning it."""
     notes = [f"job {job.id} ({job.state}) tunes study {study_name} too: the two share its trials and budget"
-             for job in queue.all() if job.state in OPEN and _names_study(job, study_name)]
+             for job in queue.of_study(study_name, OPEN)]
     try:
         study = optuna.load_study(study_name=study_name, storage=storage)
     except KeyError:
@@ -53,13 +53,6 @@ def _earlier_work(storage, queue: JobQueue, study_name: str) -> list[str]:
                      f"trials, best {best_speedup(best)}): this job keeps its recorded best unless its max_trials is "
                      f"larger or its engines or knobs differ")
     return notes
-
-
-def _names_study(job: Job, study_name: str) -> bool:
-    if job.study_name is not None:
-        return job.study_name == study_name
-    tuning = read_yaml(job.config_yaml, f"job {job.id}").get("tuning")
-    return isinstance(tuning, dict) and tuning.get("study_name") == study_name
 
 
 @main.command()

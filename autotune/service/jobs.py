@@ -16,7 +16,8 @@ import sqlalchemy
 from optuna.storages import RDBStorage
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, Text
 
-from autotune.errors import AutotuneError
+from autotune.config.file import read_yaml
+from autotune.errors import AutotuneError, ConfigError
 from autotune.storage.claims import create_tables, live_lease
 
 QUEUED, RUNNING, FINISHING, DONE, FAILED, CANCELLED = "queued", "running", "finishing", "done", "failed", "cancelled"
@@ -61,6 +62,16 @@ class Job:
 def _now() -> datetime.datetime:
     """UTC, kept without a zone: workers and submitters in several time zones write one clock."""
     return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+
+
+def _names_study(job: Job, study_name: str) -> bool:
+    if job.study_name is not None:
+        return job.study_name == study_name
+    try:
+        tuning = read_yaml(job.config_yaml, f"job {job.id}").get("tuning")
+    except ConfigError:    # fails as its worker reads it
+        return False
+    return isinstance(tuning, dict) and tuning.get("study_name") == study_name
 
 
 class JobQueue:
@@ -110,6 +121,14 @@ class JobQueue:
         with self.engine.connect() as connection:
             rows = connection.execute(sqlalchemy.select(jobs_table).order_by(jobs_table.c.id)).mappings().all()
         return [Job(**row) for row in rows]
+
+    def of_study(self, study_name: str, states: tuple[str, ...]) -> list[Job]:
+        """The jobs in `states` that tune `study_name`, oldest first: by the study a worker set on them, or, for
+        a job no worker has read yet, by its YAML's (one whose YAML cannot be read names no study)."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(sqlalchemy.select(jobs_table).where(jobs_table.c.state.in_(states))
+                                      .order_by(jobs_table.c.id)).mappings().all()
+        return [job for job in map(lambda row: Job(**row), rows) if _names_study(job, study_name)]
 
     def set_study(self, job_id: int, study_name: str) -> None:
         with self.engine.begin() as connection:

@@ -158,8 +158,7 @@ class Worker:
     def _already_tuned(self, job: Job, study_name: str, best: dict) -> None:
         """Ends a job whose study had its answer recorded before this job searched (the same config submitted
         again) with that answer: building and timing it anew gave the job a second, different speedup."""
-        earlier = [other.id for other in self.queue.all()
-                   if other.study_name == study_name and other.state == DONE and other.id != job.id]
+        earlier = [other.id for other in self.queue.of_study(study_name, (DONE,)) if other.id != job.id]
         by = f" by job {earlier[-1]}" if earlier else ""
         if self.queue.end(job.id, DONE, f"study {study_name} was already tuned{by}: its recorded best is kept, "
                                         f"speedup {best_speedup(best)}, {summarize(best['plan'])}; a larger "
