@@ -3,13 +3,10 @@ modules with static activation ranges calibrated on several real batches, leaves
 quantizer, and inductor compiles the result so that quantise / dequantise pairs fuse into int8 kernels."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import io
-import itertools
 import logging
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -22,78 +19,19 @@ from autotune.backends.int8_linear import conv1d_as_linear, is_gpt_conv1d, linea
 from autotune.backends.quantized import explicit_padding, plain_type, resolve_reduce_range
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
+from autotune.engines.export import export, output_types_registered
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
-from autotune.model_call import call, fresh
+from autotune.model_call import call
 from autotune.plan import Plan
-from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")
 
 REALISED = {"int8", "fp32"}
 QUANTISED = (nn.Linear, nn.Conv2d)   # the module types whose int8 the quantizer realises
 WEIGHTED_OPS = ("linear", "conv1d", "conv2d", "conv3d", "convolution")   # their ops in an exported graph
-
-
-def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict, batches: list[CallInputs] | None = None) -> dict:
-    """The dimensions of the input tensors left for export to decide (Dim.AUTO: dynamic where the model allows it),
-    by parameter name as export needs for keyword inputs; None for what is not a tensor (a float or flag argument).
-
-    Without `batches`, every dimension: batches differ in size and, for sequence models, in length. With the captured
-    `batches` (the first export of a user's model), an input of up to three dimensions (batch, sequence, features)
-    keeps every one free, but a larger one (images, video: N, C, H, W) only its batch and any other dimension that
-    differs among `batches`: a deployment keeps its image size, and spatial sizes left free cost export minutes on a
-    model that computes with them (a windowed-attention Swin: 160 s where its batch alone took 2 s). A graph exported
-    once asserts the sizes it fixed, so exporting it again frees no more than that. Never dimensions of size 0 or 1,
-    which export specialises whatever it is told (and warns of each)."""
-    def bound(call_args: tuple, call_kwargs: dict) -> dict:
-        return dict(inspect.signature(model.forward).bind(*call_args, **call_kwargs).arguments)
-
-    varying = _varying_dimensions([tensors(bound(*batch)) for batch in batches or []])
-    if varying is None:   # the batches differ in what they pass: no telling which sizes stay
-        batches = None
-    position = itertools.count()    # map_tensors visits the tensors in the order `tensors` lists them
-
-    def free(t: torch.Tensor) -> dict | None:
-        index = next(position)
-        dims = [i for i, n in enumerate(t.shape) if n > 1 and (batches is None or t.dim() <= 3 or i == 0
-                                                                 or i in varying.get(index, ()))]
-        return {i: torch.export.Dim.AUTO for i in dims} or None
-
-    return map_tensors(bound(args, kwargs), free, lambda other: None)
-
-
-def _varying_dimensions(batches: list[list[torch.Tensor]]) -> dict[int, set[int]] | None:
-    """{tensor position: the dimensions whose size differs among `batches`} (each a list of its input tensors); None
-    where the batches differ in their number of tensors or a tensor's number of dimensions."""
-    if len({tuple(t.dim() for t in batch) for batch in batches}) > 1:
-        return None
-    return {index: {i for i in range(same[0].dim()) if len({t.shape[i] for t in same}) > 1}
-            for index, same in enumerate(zip(*batches))}
-
-
-def export(model: nn.Module, inputs, strict: bool = False,
-           batches: list[CallInputs] | None = None) -> torch.export.ExportedProgram:
-    """`model` exported on `inputs` with free batch (and other) dimensions (_free_dimensions, which reads `batches`);
-    traced in Python (`strict=False`, what transformers' models need) unless `strict` (TorchDynamo).
-
-    Raises:
-        EngineUnavailable: export failed (e.g. data-dependent control flow), with the first line of its reason.
-    """
-    args, kwargs = fresh(inputs)    # tracing runs the forward, which may add to a cache in the inputs
-    output_types_registered(model)
-    printed = io.StringIO()    # a failing export prints the graph traced so far: kept for --debug, said if it succeeds
-    try:
-        with contextlib.redirect_stderr(printed):
-            exported = torch.export.export(model, args, kwargs, strict=strict,
-                                           dynamic_shapes=_free_dimensions(model, args, kwargs, batches))
-    except Exception as exc:   # torch.export raises many kinds; each means this model cannot be exported
-        log.debug("torch.export printed before it failed:\n%s", printed.getvalue())
-        raise EngineUnavailable(f"torch.export failed: {describe(exc)}") from exc
-    sys.stderr.write(printed.getvalue())
-    return exported
 
 
 def _prepared(fp32: nn.Module, batches: list[CallInputs], quantizer) -> nn.Module:
@@ -281,12 +219,13 @@ class CompiledEngine:
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
+        signature = inspect.signature(built.forward)
         with open(path, "wb") as out:   # by position, as SavedAsExported calls the graph it loads
-            _write_exported(built, _by_position(inspect.signature(built.forward), *inputs), out)
+            _write_exported(built, _by_position(signature, *inputs), out)
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
                 "torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
                 "(inductor then runs int8 kernels) on copies of the inputs you keep (its int8 linear fused with a "
-                "residual add can write the sum into an input)")
+                f"residual add can write the sum into an input), by position: ({', '.join(signature.parameters)})")
 
     def load(self, path: str) -> nn.Module:
         quantised_ops_registered()
@@ -363,33 +302,6 @@ def quantised_ops_registered() -> None:
     importing torchao's pt2e does: a process that did not quantise cannot load such a graph before."""
     with library_notes_dropped():   # torchao's import gives some
         import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
-
-
-def output_types_registered(model: nn.Module | None = None) -> None:
-    """transformers' cache classes (a decoder's DynamicCache, T5's EncoderDecoderCache) known to torch's pytree, as
-    transformers' own exporter registers them: export fails on a model returning one (\"Found DynamicCache in output,
-    which is not a known type\"), and loading fails on a graph that returns one, unless they are. With `model`, its
-    transformers models' own cache classes too. Only where transformers is imported already (loading a graph, and a
-    model of transformers, import it), and only with a transformers that has its exporters (5.x)."""
-    if "transformers" not in sys.modules:
-        return
-    try:
-        with library_notes_dropped():   # its import can import torchao, which gives some
-            from transformers.cache_utils import Cache
-            from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model, register_pytree_node
-    except ImportError:
-        return
-    pending = [Cache]
-    while pending:
-        for cls in pending.pop().__subclasses__():
-            register_pytree_node(cls)
-            pending.append(cls)
-    seen: set[str] = set()
-    for module in model.modules() if model is not None else ():
-        where = type(module).__module__
-        if where.startswith("transformers.") and where not in seen:
-            seen.add(where)
-            register_cache_pytrees_for_model(module)   # the cache classes its modeling file defines
 
 
 def _loaded(exported: bytes, example, output_modules: list[str] = ()) -> SavedAsExported:
