@@ -503,6 +503,30 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
         assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
 
 
+def test_apply_that_cannot_save_the_model_says_why_and_leaves_no_file(tmp_path, monkeypatch):
+    """A model returning a namedtuple of its own: torch.export.save raised, `apply` ended in an "unexpected" exit 1,
+    and the file it had begun was left at --out, where loading it failed."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "named_model.py").write_text(
+        "import collections\nimport torch\nfrom torch import nn\n\nOut = collections.namedtuple('Out', 'logits')\n\n\n"
+        "class Named(nn.Module):\n    def __init__(self):\n        super().__init__()\n        torch.manual_seed(0)\n"
+        "        self.fc = nn.Linear(32, 8)\n\n    def forward(self, x):\n        return Out(self.fc(x))\n\n\n"
+        "def inputs():\n    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))\n\n\n"
+        "def score():\n    return lambda m: 1.0\n")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": "named_model:Named"}, "evaluation": {"eval_fn": "named_model:score"},
+        "example_inputs": {"factory": "named_model:inputs"}, "tuning": {"study_name": "named"}}))
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"engine": "compiled", "plan": {"fc": "int8"}}))
+    out = tmp_path / "m.pt2"
+    applied = CliRunner().invoke(main, ["apply", str(tmp_path / "plan.yaml"), "--config", str(tmp_path / "c.yaml"),
+                                        "--out", str(out)])
+    assert applied.exit_code == 2, applied.output
+    assert applied.output.startswith("Error: cannot save the model in the compiled engine: NotImplementedError")
+    assert "a forward returning a tuple or dict can be saved" in applied.output
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m.pt2")) == []
+
+
 class CompiledFp32IsFastest(HalfCostMeasurer):
     """torch.compile of the fp32 model runs at half of fp32 eager; a compiled lowered plan at 0.8, an eager
     lowered one at 0.9 (no real timing: the test is about which finalist is kept)."""
@@ -592,6 +616,45 @@ def test_the_compiled_engine_fixes_an_image_size_the_captured_batches_share_and_
         for size in (16, 13, 22):
             x = torch.ones(2, 3, size, size)
             assert torch.allclose(built(x), model(x), atol=0.05), size
+
+
+class CausalMasked(nn.Module):
+    """A decoder keeping its causal mask at the largest length and slicing it to each call's, as nanoGPT does."""
+
+    def __init__(self, longest: int = 12):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(50, 8), nn.Linear(8, 50)
+        self.register_buffer("mask", torch.tril(torch.ones(longest, longest)))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        scores = (h @ h.transpose(1, 2)).masked_fill(self.mask[:ids.shape[1], :ids.shape[1]] == 0, float("-inf"))
+        return self.head(scores.softmax(-1) @ h)
+
+
+def test_a_length_export_fixes_where_the_model_takes_others_is_warned_of_and_a_convolutions_channels_are_not(caplog):
+    """A mask buffer sliced at its own length made export fix that length: the tuned model refused every shorter
+    one (`Guard failed: ids.size()[1] == 12`) and nothing had said so. A Conv1d's channels are fixed by its weights,
+    which is no news."""
+    model = CausalMasked().eval()
+    full = [((torch.randint(0, 50, (4, 12)),), {}) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="autotune"):
+        built = CompiledEngine().build(model, {"head": "int8"}, Calibration(full, {}))
+    said = [r.getMessage() for r in caplog.records if "export fixed" in r.getMessage()]
+    assert len(said) == 1 and "input 0's dimension 1 at 12, where the model takes other sizes" in said[0], said
+    with torch.no_grad(), pytest.raises(Exception, match="Guard failed"):
+        built(torch.randint(0, 50, (4, 5)))
+    caplog.clear()
+    shorter = [((torch.randint(0, 50, (4, 9)),), {}) for _ in range(2)]    # below the buffer's length: stays free
+    channels = nn.Sequential(nn.Conv1d(6, 4, 3), nn.Flatten(), nn.Linear(4 * 14, 3)).eval()
+    with caplog.at_level("WARNING", logger="autotune"):
+        free = CompiledEngine().build(model, {"head": "int8"}, Calibration(shorter, {}))
+        CompiledEngine().build(channels, {"0": "fp32", "2": "int8"}, Calibration([((torch.randn(5, 6, 16),), {})], {}))
+    assert not [r for r in caplog.records if "export fixed" in r.getMessage()]
+    with torch.no_grad():
+        x = torch.randint(0, 50, (4, 5))
+        assert torch.allclose(free(x), model(x), atol=0.1)
 
 
 class RelativePositions(nn.Module):

@@ -33,7 +33,7 @@ from autotune.clone import clone
 from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
 from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration, get_engine, realise, with_knobs
-from autotune.errors import PlanError
+from autotune.errors import PlanError, describe
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import NOISE_KEY, best_speedup, formatted, table
@@ -284,10 +284,21 @@ def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     applied = apply_saved_plan(load_config(config_path), plan_path)
-    loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], out)
+    partial = Path(out).with_name(Path(out).name + ".partial")   # a file cut short is never left at `out`
+    try:
+        loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))
+    except Exception as exc:   # torch.save and torch.export.save refuse some models, each its own way
+        partial.unlink(missing_ok=True)
+        raise CliError(f"cannot save the model in the {applied.engine} engine: {describe(exc)}"
+                       + (NAMEDTUPLE_HINT if "namedtuple" in str(exc) else "")) from None
+    partial.replace(out)
     knobs = f" with {', '.join(applied.knobs)}" if applied.knobs else ""
     click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {summarize(applied.plan)} in the {applied.engine} "
                f"engine{knobs}; load it with {loads_with}")
+
+
+NAMEDTUPLE_HINT = ("; torch.export cannot write a graph whose output is a namedtuple of the model's own: a forward "
+                   "returning a tuple or dict can be saved, or the plan applied in another engine (its `engine:`)")
 
 
 @dataclass(frozen=True)
