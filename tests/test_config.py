@@ -51,6 +51,16 @@ def test_out_of_range_values_are_rejected(field, value):
     assert info.value.errors[0][0] == field
 
 
+def test_a_relative_tolerable_loss_of_one_or_more_is_refused_as_a_percentage_mistaken_for_a_fraction():
+    """`tolerable_loss: 5` (5 % meant) ran as a 500 % relative loss: every plan passed, silently."""
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping({"tolerable_loss": 5})
+    assert info.value.errors[0][0] == "tolerable_loss"
+    assert "5 is a relative loss of 500%: write a fraction (0.05 for 5 %)" in str(info.value)
+    assert TuningConfig(tolerable_loss=5, loss_kind="absolute").tolerable_loss == 5
+    assert TuningConfig(tolerable_loss=0.99).tolerable_loss == 0.99
+
+
 def test_empty_dtype_list_is_rejected():
     with pytest.raises(ConfigError, match="dtype"):
         MixedPrecisionConfig(dtype=[])

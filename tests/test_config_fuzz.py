@@ -63,7 +63,7 @@ mixed_precision_dicts = st.fixed_dictionaries({}, optional={
 
 VALID_VALUES: dict[str, st.SearchStrategy] = {
     "config_set": mixed_precision_dicts | st.lists(mixed_precision_dicts, min_size=1, max_size=3),
-    "tolerable_loss": st.floats(0, 1) | st.integers(0, 5),
+    "tolerable_loss": st.floats(0, 1, exclude_max=True) | st.just(0),   # 1 or more is refused as relative
     "loss_kind": st.sampled_from(["relative", "absolute"]),
     "higher_is_better": st.booleans(),
     "max_trials": st.integers(1, 10_000),

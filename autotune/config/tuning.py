@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from autotune.backends import dtype_names
 from autotune.errors import ConfigError
@@ -245,6 +245,17 @@ class TuningConfig(ConfigModel):
         if isinstance(device, str) and not device.startswith("cpu"):
             data = {**data, "engines": [engine for engine in ENGINE_NAMES if engine not in CPU_ONLY_ENGINES]}
         return data
+
+    @model_validator(mode="after")
+    def _relative_loss_below_one(self) -> TuningConfig:
+        """A relative tolerable_loss of 1 or more lets a score fall to nothing: a percentage written as a number."""
+        if self.loss_kind == "relative" and self.tolerable_loss >= 1:
+            message = (f"{self.tolerable_loss:g} is a relative loss of {self.tolerable_loss:.0%}: write a fraction "
+                       "(0.05 for 5 %), or loss_kind: absolute for a loss in the metric's own units")
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("relative_loss", message), loc=("tolerable_loss",),
+                input=self.tolerable_loss)])
+        return self
 
     @field_validator("device")
     @classmethod
