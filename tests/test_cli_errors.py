@@ -33,6 +33,34 @@ def assert_one_error_line(result, code: int, *fragments: str) -> None:
         assert fragment in result.output, result.output
 
 
+@pytest.mark.parametrize("wal", [True, False])
+def test_a_study_folder_that_cannot_be_written_is_said_to_be_read_only(tmp_path, wal):
+    """SQLite writes beside the file to read it: on a read-only share `list` said only "unable to open database
+    file" (autotune's WAL database, its last writer killed, copied without its -shm file), or called "attempt to
+    write a readonly database" an outage to wait out (a database Optuna made)."""
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    url = f"sqlite:///{studies}/a.db"
+    opened = "autotune.storage.rdb.open_storage(url)" if wal else "url"
+    subprocess.run([sys.executable, "-c", f"import os, optuna, autotune.storage.rdb; url = {url!r}; "
+                    f"optuna.create_study(study_name='kept', storage={opened}); os._exit(0)"], check=True, timeout=120)
+    (studies / "a.db-shm").unlink(missing_ok=True)
+    command = [sys.executable, "-m", "autotune", "list", "--storage", f"sqlite:///{studies}/a.db"]
+    if os.geteuid() != 0:
+        studies.chmod(0o555)
+        listed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        studies.chmod(0o755)
+    else:   # root writes where the mode says not: a read-only mount, as a share would be
+        mounted = f"mount --bind -o ro {studies} {studies} && exec \"$@\""
+        listed = subprocess.run(["unshare", "-m", "sh", "-c", mounted, "sh", *command], capture_output=True,
+                                text=True, timeout=120)
+        if "mount:" in listed.stderr or "unshare:" in listed.stderr:
+            pytest.skip(f"no read-only mount can be made here: {listed.stderr.strip()}")
+    assert listed.returncode == 2 and "Traceback" not in listed.stderr, listed.stderr
+    said = f"{studies} cannot be written here (read-only)" if wal else "the study storage cannot be written"
+    assert said in listed.stderr and "SQLite writes beside the file even to read it" in listed.stderr, listed.stderr
+
+
 def test_a_storage_url_that_does_not_parse(tmp_path):
     config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
     assert_one_error_line(run("tune", str(config), "--storage", "sqlite:/nope"), 2,

@@ -3,6 +3,7 @@ local workers. Any RDB URL Optuna accepts works (PostgreSQL for several machines
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 import warnings
@@ -62,9 +63,23 @@ def storage_errors(url: str) -> Iterator[None]:
             "`$ optuna storage upgrade --storage $STORAGE_URL`", UPGRADE_COMMAND)) from None
     except sqlalchemy.exc.DBAPIError as exc:
         reason = database_says(exc)
-        kept = "; the file was left as it is" if sqlite_path(url) is not None else ""
-        hint = UNENCODED_AT if unencoded_at(url) else ""
+        path = sqlite_path(url)
+        kept = "; the file was left as it is" if path is not None and path.exists() else ""
+        hint = UNENCODED_AT if unencoded_at(url) else _read_only(path) if path is not None else ""
         raise StorageError(f"cannot use the study storage {shown(url)}: {reason}{kept}{hint}") from None
+
+
+READ_ONLY_SQLITE = ("SQLite writes beside the file even to read it: copy the folder somewhere writable and name "
+                    "that copy's file")
+
+
+def _read_only(path: Path) -> str:
+    """Why SQLite failed where the file's folder, or the file, cannot be written (a read-only share or mount):
+    in WAL mode it writes beside the file to read it too."""
+    blocked = [p for p in (path.parent, path) if p.exists() and not os.access(p, os.W_OK)]
+    if not blocked:
+        return ""
+    return f"; {blocked[0]} cannot be written here (read-only), and {READ_ONLY_SQLITE}"
 
 
 def database_error(exc: BaseException) -> sqlalchemy.exc.DBAPIError | None:
