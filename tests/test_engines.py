@@ -470,6 +470,17 @@ def test_batches_captured_from_an_eval_fn_in_inference_mode_go_through_the_compi
     assert result.engine == "compiled"
 
 
+def write_model_config(folder, module: str, source: str, factory: str, **tuning) -> None:
+    """`module`.py in `folder` (torch and nn imported, `source`, then example inputs of 16 x 32 and an eval_fn
+    scoring 1.0) and c.yaml tuning its model `factory` with `tuning`."""
+    (folder / f"{module}.py").write_text(
+        "import torch\nfrom torch import nn\n\n" + source + "\n\ndef inputs():\n    return torch.randn(16, 32, "
+        "generator=torch.Generator().manual_seed(1))\n\n\ndef score():\n    return lambda m: 1.0\n")
+    (folder / "c.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": factory}, "evaluation": {"eval_fn": f"{module}:score"},
+        "example_inputs": {"factory": f"{module}:inputs"}, "tuning": tuning}))
+
+
 def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkeypatch):
     model = mlp()
     result = autotune(model, config(tmp_path), fidelity(model), measurer=CompiledIsFaster(),
@@ -477,15 +488,9 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
     assert result.engine == "compiled" and result.study.user_attrs["autotune.best"]["engine"] == "compiled"
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "engine_model.py").write_text(
-        "import torch\nfrom torch import nn\n\n\ndef model():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))\n\n\n"
-        "def inputs():\n    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))\n\n\n"
-        "def score():\n    return lambda m: 1.0\n")
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
-        "model": {"factory": "engine_model:model"}, "evaluation": {"eval_fn": "engine_model:score"},
-        "example_inputs": {"factory": "engine_model:inputs"},
-        "tuning": {"storage": f"sqlite:///{tmp_path}/e.db", "study_name": "engines"}}))
+    write_model_config(tmp_path, "engine_model", "def model():\n    torch.manual_seed(0)\n    return nn.Sequential("
+                       "nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))\n",
+                       "engine_model:model", storage=f"sqlite:///{tmp_path}/e.db", study_name="engines")
     runner = CliRunner()
     exported = runner.invoke(main, ["export", "engines", "--storage", f"sqlite:///{tmp_path}/e.db",
                                     "--out", str(tmp_path / "plan.json")])
@@ -503,20 +508,27 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
         assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
 
 
+NAMED_OUTPUT = """import collections
+Out = collections.namedtuple('Out', 'logits')
+
+
+class Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return Out(self.fc(x))
+"""
+
+
 def test_apply_that_cannot_save_the_model_says_why_and_leaves_no_file(tmp_path, monkeypatch):
     """A model returning a namedtuple of its own: torch.export.save raised, `apply` ended in an "unexpected" exit 1,
     and the file it had begun was left at --out, where loading it failed."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "named_model.py").write_text(
-        "import collections\nimport torch\nfrom torch import nn\n\nOut = collections.namedtuple('Out', 'logits')\n\n\n"
-        "class Named(nn.Module):\n    def __init__(self):\n        super().__init__()\n        torch.manual_seed(0)\n"
-        "        self.fc = nn.Linear(32, 8)\n\n    def forward(self, x):\n        return Out(self.fc(x))\n\n\n"
-        "def inputs():\n    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1))\n\n\n"
-        "def score():\n    return lambda m: 1.0\n")
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({
-        "model": {"factory": "named_model:Named"}, "evaluation": {"eval_fn": "named_model:score"},
-        "example_inputs": {"factory": "named_model:inputs"}, "tuning": {"study_name": "named"}}))
+    write_model_config(tmp_path, "named_model", NAMED_OUTPUT, "named_model:Named", study_name="named")
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"engine": "compiled", "plan": {"fc": "int8"}}))
     out = tmp_path / "m.pt2"
     applied = CliRunner().invoke(main, ["apply", str(tmp_path / "plan.yaml"), "--config", str(tmp_path / "c.yaml"),
