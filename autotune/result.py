@@ -10,6 +10,9 @@ from torch import nn
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
 
+CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
+             "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
+             "time the plan again on a quiet machine (`autotune bench`), or set num_threads to leave cores free")
 NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
 
 
@@ -67,6 +70,11 @@ class TuningResult:
                 > UNCERTAIN_RATIO}
 
 
+    def contended_shapes(self) -> list[str]:
+        """Shapes whose final timing shared the CPUs with more work than they left free (measure.host_load)."""
+        timed = {s.name: (s.best, s.fp32) for s in self.shapes} or {"": (self.best.latency, self.baseline.latency)}
+        return [name for name, pair in timed.items() if any(stats.contended for stats in pair)]
+
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),
                 ("accuracy", formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
@@ -81,6 +89,8 @@ class TuningResult:
         if len(self.shapes) <= 1 and (medians - 1) * (1 / self.speedup - 1) < 0:
             lines.insert(2, "the medians above disagree with the speedup: it is the median of per-round ratios, "
                             "fp32 and the tuned model timed in each round, which a busy host's swings leave alone")
+        if busy := self.contended_shapes():
+            lines.insert(2, CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed"))
         if len(self.shapes) > 1:
             lines.insert(1, table([("shape", "weight", "fp32 ms", "tuned ms", "speedup"),
                                    *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),

@@ -39,7 +39,7 @@ from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
-from autotune.result import NOISE_KEY, Measurement, ShapeLatency, TuningResult
+from autotune.result import CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
@@ -350,6 +350,8 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
                                          "speedup_by_shape": {shape.name: shape.speedup for shape in shapes},
                                          studies.BEST_RECORDED_WITH: recorded_with,
                                          **({NOISE_KEY: max(noisy.values())} if noisy else {})})
+    if busy := result.contended_shapes():
+        log.warning(CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed"))
     if noisy:
         log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
                     "quiet machine (`autotune bench`)", ", ".join(f"±{100 * off:.0f} % at {name}"

@@ -254,3 +254,44 @@ def test_the_summary_says_why_its_medians_can_disagree_with_the_speedup():
     busy = result([10.0, 20.0, 10.0, 30.0, 10.0], [9.0, 18.0, 27.0, 27.0, 9.0]).summary()
     assert "speedup 1.11x" in busy and "the medians above disagree with the speedup" in busy
     assert "disagree" not in result([10.0] * 5, [9.0] * 5).summary()
+
+
+def _spin(seconds: float) -> None:
+    import time
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_timing_beside_processes_that_keep_the_cpus_busy_is_told_and_the_summary_says_the_speedup_may_be_far_off():
+    """On a 2-core host beside other work, a model timed on 2 threads ran 100x its quiet time, steadily: the spread
+    raised no doubt, and a plan timed at 1.46x fp32 ran 0.48x alone."""
+    import multiprocessing
+    import os
+    from types import SimpleNamespace
+
+    from autotune.measure.host_load import contended
+    from autotune.measure.latency import LatencyStats
+    from autotune.result import Measurement, TuningResult
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("the CPUs' busy time is read from Linux's /proc/stat")
+    cpus = os.cpu_count() or 1
+    burners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(30.0,)) for _ in range(min(cpus, 4))]
+    for burner in burners:
+        burner.start()
+    try:
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval()
+        timed = measure_latency({"a": model, "b": model}, ((torch.randn(64, 256),), {}), repeats=5, num_threads=cpus)
+    finally:
+        for burner in burners:
+            burner.kill()
+    assert timed["a"].others_cpus > 0.5 and timed["a"].threads == cpus and timed["a"].contended
+    assert not contended(None, 1) and not contended(0.2, cpus) and contended(cpus, 1)
+
+    def summary(busy: float) -> str:
+        fp32, best = (LatencyStats(ms, 0.0, 5, (ms,) * 5, busy, cpus) for ms in (10.0, 5.0))
+        return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
+                            SimpleNamespace(study_name="s"), 3, 3, 1.0).summary()
+    assert "other processes kept the CPUs busy while the shape timed was timed" in summary(cpus)
+    assert "busy" not in summary(0.0)

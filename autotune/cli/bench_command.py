@@ -14,6 +14,7 @@ from autotune.measure.latency import UNCERTAIN_RATIO
 from autotune.measure.measurer import DeviceMeasurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import latency_shapes, weighted_ratio
 from autotune.plan import summarize
+from autotune.result import CONTENDED
 
 
 def batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
@@ -72,3 +73,5 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
                    f"(plan {t[plan_name].median_ms:.3f} ± {t[plan_name].spread_ms:.3f} ms, "
                    f"fp32 {t['fp32'].median_ms:.3f} ± {t['fp32'].spread_ms:.3f} ms, {t['fp32'].repeats} rounds){noise}")
     click.echo(f"weighted over the shapes: {1 / weighted_ratio(ratios, at):.2f}x fp32")
+    if busy := [shape.name for shape in at if any(stats.contended for stats in timing[shape.name].values())]:
+        click.echo(f"note: {CONTENDED.format(shapes=', '.join(busy))}", err=True)

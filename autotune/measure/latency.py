@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils import benchmark
 
 from autotune.backends.base import CallInputs
+from autotune.measure.host_load import contended, other_work
 from autotune.model_call import call, copied_for_each_call, entries_of
 
 MIN_ROUNDS = 3
@@ -40,9 +41,16 @@ class LatencyStats:
     spread_ms: float  # interquartile range
     repeats: int      # samples taken
     samples_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    others_cpus: float | None = field(default=None, repr=False, compare=False)   # see host_load.other_work
+    threads: int = field(default=0, repr=False, compare=False)    # timed on
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "samples_ms"}
+        return {k: v for k, v in asdict(self).items() if k not in ("samples_ms", "others_cpus", "threads")}
+
+    @property
+    def contended(self) -> bool:
+        """Whether other processes needed more CPUs than the timing left free while it ran (host_load)."""
+        return contended(self.others_cpus, self.threads)
 
     def ratio_to(self, reference: LatencyStats) -> float:
         """This latency / `reference`'s: the median of their per-round ratios over the rounds both were timed in,
@@ -99,10 +107,10 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, statistics.median(values), q3
 
 
-def _stats(samples_s: list[float]) -> LatencyStats:
+def _stats(samples_s: list[float], others_cpus: float | None = None, threads: int = 0) -> LatencyStats:
     ms = [s * 1e3 for s in samples_s]
     q1, median, q3 = _quartiles(ms)
-    return LatencyStats(median, q3 - q1, len(ms), tuple(ms))
+    return LatencyStats(median, q3 - q1, len(ms), tuple(ms), others_cpus, threads)
 
 
 def _notches(samples: dict[str, list[float]]) -> dict[str, tuple[float, float, float]]:
@@ -221,19 +229,27 @@ def measure_latency(models: dict[str, nn.Module], inputs: CallInputs | dict[str,
                 call(models[name], per_model[name])
             if _timed_call_s(models[name], per_model[name]) >= LONG_CALL_S:   # the last warm-up call, timed
                 long_calls.add(name)
-        racing = names
-        for round_index in range(max(repeats, MIN_ROUNDS)):
-            shift = round_index % len(racing)
-            for name in racing[shift:] + racing[:shift]:
-                if name in long_calls or name in untold:   # an untold model's first sample is one call
-                    samples[name].append(_timed_call_s(models[name], per_model[name]))
-                    if name in untold and samples[name][-1] >= LONG_CALL_S:
-                        long_calls.add(name)
-                    untold.discard(name)
-                else:
-                    samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
-            timed = {name: samples[name] for name in racing}
-            if settled(timed, precision):
-                break
-            racing = still_racing(timed, precision)
-    return {name: _stats(times) for name, times in samples.items()}
+        with other_work() as others:
+            _rounds(models, per_model, timers, samples, long_calls, untold, repeats, precision)
+    return {name: _stats(times, others[0] if others else None, threads) for name, times in samples.items()}
+
+
+def _rounds(models: dict[str, nn.Module], per_model: dict[str, CallInputs], timers: dict[str, benchmark.Timer],
+            samples: dict[str, list[float]], long_calls: set[str], untold: set[str], repeats: int,
+            precision: float) -> None:
+    """measure_latency's interleaved rounds, adding to `samples`."""
+    racing = list(models)
+    for round_index in range(max(repeats, MIN_ROUNDS)):
+        shift = round_index % len(racing)
+        for name in racing[shift:] + racing[:shift]:
+            if name in long_calls or name in untold:   # an untold model's first sample is one call
+                samples[name].append(_timed_call_s(models[name], per_model[name]))
+                if name in untold and samples[name][-1] >= LONG_CALL_S:
+                    long_calls.add(name)
+                untold.discard(name)
+            else:
+                samples[name].append(timers[name].blocked_autorange(min_run_time=BLOCK_S).median)
+        timed = {name: samples[name] for name in racing}
+        if settled(timed, precision):
+            break
+        racing = still_racing(timed, precision)
