@@ -63,6 +63,15 @@ def test_tune_prints_summary_and_expands_env_in_storage(tuned):
     assert (folder / "s.db").is_file()
 
 
+def test_tune_into_a_log_says_each_evaluated_trial_on_a_line_of_its_own(tuned):
+    """Without a terminal, click's progress bar printed its label alone ("evaluated trials") and nothing more."""
+    _, _, _, result = tuned
+    counted = re.findall(r"^evaluated trials: (\d+) of at most \d+$", result.output, re.MULTILINE)
+    evaluated = int(re.search(r"(\d+) evaluated trials", result.output).group(1))
+    assert counted == [str(n) for n in range(1, evaluated + 1)], result.output
+    assert "evaluated trials\n" not in result.output
+
+
 def test_tune_again_resumes_the_study(tuned):
     folder, config, _, first = tuned
     # Pruning by measured latency can leave fewer plans than max_trials, so read how many the first run made.
@@ -70,6 +79,21 @@ def test_tune_again_resumes_the_study(tuned):
     result = run("tune", str(config), env={"TUNE_DIR": str(folder)})
     assert result.exit_code == 0, result.output
     assert f"resuming after {evaluated} evaluated trials" in result.output
+
+
+def test_a_study_stopped_before_its_first_trial_resumes_and_is_not_called_new(tmp_path):
+    """A run killed while its first finalist compiled left its baseline and signals, and no evaluated trial: the
+    next run said the study was new."""
+    from autotune.tuner import start_runner
+
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["tuning"]["max_trials"] = 1
+    config = write_yaml(tmp_path / "c.yaml", data)
+    loaded = load_config(config)
+    start_runner(loaded.build_model(), loaded.tuning, loaded.evaluation.build(), loaded.build_example_inputs())
+    result = run("tune", str(config))
+    assert result.exit_code == 0, result.output
+    assert "study 'mnist' in sqlite:///" in result.output and ": resuming after 0 evaluated trials" in result.output
 
 
 def test_show_lists_trials_and_best(tuned):

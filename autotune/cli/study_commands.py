@@ -44,14 +44,15 @@ from autotune.storage.rdb import open_storage, shown
 from autotune.tuner import finish, search, start_runner, study_name_for
 
 
-def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int]:
-    """(study name, evaluated trials already in it): what a resumed run starts from."""
+def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int | None]:
+    """(study name, evaluated trials already in it, None where there is no such study): what a resumed run starts
+    from."""
     if missing_sqlite(config.storage):
-        return study_name_for(model, config), 0
+        return study_name_for(model, config), None
     storage = open_storage(config.storage)
     name = study_name_for(model, config, storage=storage)
     if name not in optuna.get_all_study_names(storage):
-        return name, 0
+        return name, None
     return name, len(studies.evaluated_trials(optuna.load_study(study_name=name, storage=storage)))
 
 
@@ -83,6 +84,15 @@ def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallbac
         return
     # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
     label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
+    if not click.get_text_stream("stdout").isatty():   # a log: click's bar would leave its label alone on a line
+        counted = [0]
+
+        def said(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if trial.user_attrs.get("evaluated"):
+                counted[0] += 1
+                click.echo(f"{label}: {counted[0]} of at most {max(total - done, 1)}")
+        yield [said]
+        return
     with click.progressbar(length=max(total - done, 1), label=label, show_eta=True, show_pos=True) as bar:
         def advance(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             if trial.user_attrs.get("evaluated"):
@@ -116,7 +126,9 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         click.echo(f"worker {os.getpid()}: {runner.eval_calls} eval_fn calls")
         return
     name, done = evaluated_so_far(model, tuning)
-    state = f"resuming after {done} evaluated trials" if done else "new"
+    # A run stopped before its first trial was evaluated kept its baseline and signals: a resumed study, not new.
+    state = "new" if done is None else f"resuming after {done} evaluated trials"
+    done = done or 0
     click.echo(f"study {name!r} in {shown(tuning.storage)}: {state}"
                + (f"; {workers} workers" if workers > 1 else ""))
     command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
