@@ -654,7 +654,7 @@ def test_a_length_export_fixes_where_the_model_takes_others_is_warned_of_and_a_c
     with caplog.at_level("WARNING", logger="autotune"):
         built = CompiledEngine().build(model, {"head": "int8"}, Calibration(full, {}))
     said = [r.getMessage() for r in caplog.records if "export fixed" in r.getMessage()]
-    assert len(said) == 1 and "input 0's dimension 1 at 12, where the model takes other sizes" in said[0], said
+    assert len(said) == 1 and "export fixed `ids` dimension 1 at 12, where the model takes other sizes" in said[0], said
     with torch.no_grad(), pytest.raises(Exception, match="Guard failed"):
         built(torch.randint(0, 50, (4, 5)))
     caplog.clear()

@@ -41,7 +41,8 @@ def export(model: nn.Module, inputs, strict: bool = False,
     spec, free = _free_dimensions(model, args, kwargs, batches)
     exported = _exported(model, args, kwargs, strict, spec)
     if (fixed := _lengths_fixed(exported, tensors((args, kwargs)), free)) and _takes_others(model, args, kwargs, fixed):
-        _say_fixed(fixed, tensors((args, kwargs)))
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        _say_fixed(fixed, tensors((args, kwargs)), [name for name, value in bound.items() for _ in tensors(value)])
     return exported
 
 
@@ -97,11 +98,11 @@ def _takes_others(model: nn.Module, args: tuple, kwargs: dict, fixed: set[tuple[
 _said_fixed: set[str] = set()
 
 
-def _say_fixed(fixed: set[tuple[int, int]], inputs: list[torch.Tensor]) -> None:
+def _say_fixed(fixed: set[tuple[int, int]], inputs: list[torch.Tensor], names: list[str]) -> None:
     """Warns, once per size, that the graph takes one length only. A buffer of the largest length sliced to each
     call's (a causal mask, `mask[:T, :T]`) does it where the example is that long: export then decides the slice is
     the whole buffer (torch 2.13), and traced one shorter, that it is not, refusing the full length instead."""
-    where = ", ".join(f"input {index}'s dimension {dim} at {inputs[index].shape[dim]}" for index, dim in sorted(fixed))
+    where = ", ".join(f"`{names[index]}` dimension {dim} at {inputs[index].shape[dim]}" for index, dim in sorted(fixed))
     if where not in _said_fixed:
         _said_fixed.add(where)
         log.warning("compiled engine: export fixed %s, where the model takes other sizes (a buffer of that length "
