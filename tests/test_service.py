@@ -428,6 +428,32 @@ def test_a_queued_job_whose_yaml_cannot_be_read_does_not_stop_another_job_being_
     assert [job.id for job in queue.of_study("shared", ("queued",))] == [named, named + 1]
 
 
+def test_a_worker_running_job_after_job_keeps_its_database_connections_to_what_it_holds(tmp_path, postgres):
+    """Each job's storage kept its pooled connections after the job: 2 more on the server per job, until PostgreSQL
+    refused a long-running worker's next connection ("too many clients")."""
+    import sqlalchemy
+
+    from autotune.service.worker import Worker
+
+    storage = open_storage(postgres)
+    queue = JobQueue(storage)
+    counter = sqlalchemy.create_engine(postgres)
+
+    def connections() -> int:
+        with counter.connect() as connection:
+            return connection.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()").scalar()
+    counts = []
+    for index in range(3):
+        config = write_job(tmp_path, f"study{index}", {"eval_fn": "resume_workload:fidelity_eval"})
+        queue.submit(config.read_text(), str(tmp_path), config.name)
+        assert Worker(storage, postgres, allow=("resume_workload:*",)).run(exit_when_idle=True) == 1
+        counts.append(connections())
+    counter.dispose()
+    assert [queue.get(job).state for job in (1, 2, 3)] == ["done"] * 3
+    assert counts[2] == counts[0], counts
+
+
 def test_tables_changed_by_hand_or_by_an_old_optuna_are_said_so_without_the_url_or_a_jobs_config(tmp_path, postgres):
     """A column dropped by hand read as an outage ("once it answers, run the command again"), a refused row was
     quoted with the job's config in it, and Optuna's schema-version error was an "unexpected" exit 1 whose hint

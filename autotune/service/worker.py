@@ -21,6 +21,7 @@ from pathlib import Path
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
+from autotune.config import TuningConfig
 from autotune.config.file import FileConfig, expand_env_everywhere, parse_config, read_yaml, without_storage
 from autotune.errors import AutotuneError
 from autotune.plan import summarize
@@ -101,29 +102,36 @@ class Worker:
         """Runs `job` to its end or fails it with its reason; where the database stopped answering, waits for it
         instead (the job is still running: the next `take` may hand it back)."""
         started = time.monotonic()
+        storage = None
         try:
             config = job_config(job, self.allow)
             tuning = config.tuning.model_copy(update={"storage": self.storage_url})
             storage = open_storage(self.storage_url, tuning.heartbeat_interval, tuning.grace_period,
                                    waits_out_outages=True)
-            runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
-                                  config.build_example_inputs(), run_fn=config.build_run_fn(), storage=storage)
-            self.queue.set_study(job.id, runner.study.study_name)
-            stopped = search(runner, started, should_stop=self._cancelled(job.id))
-            log.info("job %d: search stopped: %s", job.id, stopped)
-            state = self.queue.get(job.id).state
-            if state in (RUNNING, FINISHING):
-                if (best := studies.standing_best(runner.study, tuning)) is not None:
-                    self._already_tuned(job, runner.study.study_name, best)
-                else:
-                    self._finish(job, runner, started)
-            elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
-                studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
+            self._run(job, config, tuning, storage, started)
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
             if lost_connection(exc, self.storage.engine):
                 wait_until_reachable(self.storage.engine, exc)
             else:
                 self._fail(job, str(exc) if isinstance(exc, AutotuneError) else f"{type(exc).__name__}: {exc}")
+        finally:
+            if storage is not None:   # its connections: left to the collector, they piled up job after job
+                storage.engine.dispose()
+
+    def _run(self, job: Job, config: FileConfig, tuning: TuningConfig, storage: RDBStorage, started: float) -> None:
+        runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
+                              config.build_example_inputs(), run_fn=config.build_run_fn(), storage=storage)
+        self.queue.set_study(job.id, runner.study.study_name)
+        stopped = search(runner, started, should_stop=self._cancelled(job.id))
+        log.info("job %d: search stopped: %s", job.id, stopped)
+        state = self.queue.get(job.id).state
+        if state in (RUNNING, FINISHING):
+            if (best := studies.standing_best(runner.study, tuning)) is not None:
+                self._already_tuned(job, runner.study.study_name, best)
+            else:
+                self._finish(job, runner, started)
+        elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
+            studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
 
     def _wait_if_lost(self, exc: Exception) -> None:
         """Returns once the database answers again where `exc` came of losing it; else raises `exc`."""
