@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulator import SimWorkload  # noqa: E402
 
 
-def tune(sim, model, storage, study_name=None, tolerable_loss=0.01):
+def tune(sim, model, storage, study_name=None, tolerable_loss=0.01, eval_fn=None):
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
                           tolerable_loss=tolerable_loss, max_trials=4, repeats=3, storage=storage,
                           study_name=study_name)
-    return autotune(model, config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+    return autotune(model, config, eval_fn or sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
 
 
 def scaled(model, factor):
@@ -57,6 +57,21 @@ def test_a_named_study_resumed_with_another_accuracy_requirement_is_refused_with
     with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was tuned to another accuracy requirement "
                                                  r"\(\{'tolerable_loss': 0.01, .*here \{'tolerable_loss': 0.05"):
         tune(sim, sim.model(), storage, study_name="mine", tolerable_loss=0.05)
+
+
+def test_a_tuned_study_run_again_on_data_that_scores_otherwise_is_refused_not_handed_back(storage, caplog):
+    """The study is named after the model and config, not eval_fn's data: run again on other data, it handed back
+    the plan judged against the old scores, with the old baseline score as the baseline's, in no eval_fn call."""
+    sim = SimWorkload(6, eval_cost_s=0)
+    first = tune(sim, sim.model(), storage)
+    again = tune(sim, sim.model(), storage)
+    assert again.study.study_name == first.study.study_name and again.plan == first.plan
+    with pytest.raises(StudyMismatchError, match=f"eval_fn scores the fp32 model .* where study "
+                                                 f"'{first.study.study_name}' recorded .* its data or metric changed"):
+        tune(sim, sim.model(), storage, eval_fn=lambda model: sim.eval_fn(model) * 0.9)
+    with caplog.at_level("WARNING", logger="autotune"):
+        near = tune(sim, sim.model(), storage, eval_fn=lambda model: sim.eval_fn(model) * 0.999)
+    assert near.plan == first.plan and "within the tolerance: its recorded best is kept" in caplog.text
 
 
 def test_weights_signatures_tell_models_apart_by_their_values_names_and_buffers():

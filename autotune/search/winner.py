@@ -12,7 +12,7 @@ from torch import nn
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EngineUnavailable, get_engine
-from autotune.errors import describe
+from autotune.errors import StudyMismatchError, describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
@@ -126,6 +126,7 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     re-evaluating it. None where there is none to reuse, or it no longer builds (logged)."""
     if (best := studies.standing_best(runner.study, runner.config)) is None:
         return None
+    _scored_as_recorded(runner)
     name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
     log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "
              "timed again, not chosen again (`autotune bench` times it; a larger max_trials searches further)", name)
@@ -141,6 +142,28 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     winner, _ = _timed_again(runner, finalist, name, best["accuracy"], None)
     winner.recorded = True
     return winner
+
+
+def _scored_as_recorded(runner: TrialRunner) -> None:
+    """Evaluates the fp32 model once (one eval_fn call) before a recorded best is handed back: the study is named
+    after the model and config, not the data eval_fn scores on, and run again on other data it handed back the plan
+    judged against the old baseline's score, with that score as the baseline's.
+
+    Raises:
+        StudyMismatchError: the fp32 model now scores more than the tolerance away from the recorded baseline.
+    """
+    config, recorded = runner.config, runner.baseline
+    runner.eval_calls += 1
+    with as_eval_fn_calls(runner):
+        score = score_of(call_with_timeout(runner.eval_fn, runner.fp32, config.trial_timeout))
+    if score == recorded:
+        return
+    said = (f"eval_fn scores the fp32 model {score:.6g} where study {runner.study.study_name!r} recorded "
+            f"{recorded:.6g} when it was tuned")
+    if abs(config.accuracy_loss(recorded, score)) > config.tolerable_loss:
+        raise StudyMismatchError(f"{said}: its data or metric changed since, and its plans were judged against "
+                                 "the old scores; tune it under another study_name (or delete the study)")
+    log.warning("%s, within the tolerance: its recorded best is kept", said)
 
 
 class _Verdicts:
