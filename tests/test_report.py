@@ -60,13 +60,14 @@ class ScriptedMeasurer:
         return {name: stats(model) for name, model in models.items()}
 
 
-def tuned_study(tmp_path: Path, settings: dict | None = None):
+def tuned_study(tmp_path: Path, settings: dict | None = None, trial_timing: str = "measured"):
     """A real tuning run on a small Linear stack; `settings` is written as the study's settings attribute."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
     config = TuningConfig(engines=["eager"],
                           config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.02,
-                          max_trials=14, repeats=3, storage=f"sqlite:///{tmp_path}/report.db", study_name="report")
+                          max_trials=14, repeats=3, storage=f"sqlite:///{tmp_path}/report.db", study_name="report",
+                          trial_timing=trial_timing)
     inputs = torch.randn(4, 8)
 
     def eval_fn(tuned):
@@ -303,3 +304,23 @@ def test_a_model_handed_over_in_bf16_has_a_bf16_baseline_on_the_page(tmp_path):
     result, _ = tune(CastsToItsWeights().to(torch.bfloat16), f"sqlite:///{tmp_path}/s.db", ["int8", "fp32"])
     page = html_report(result.study)
     assert "bf16 baseline" in page and "speedup vs the bf16 baseline" in page and "fp32 baseline" not in page
+
+
+def test_the_module_chart_of_a_study_whose_lowered_dtypes_were_all_pruned_is_drawn_without_a_log_axis():
+    """fp16 slower than fp32 in every module (a CPU without native fp16): no sensitivity was measured but fp32's 0,
+    and `autotune report` exited 1 with matplotlib's "Data cannot be log-scaled because all values are <= 0"."""
+    from autotune.report.charts import module_chart
+
+    sensitivity = {name: {"fp32": 0.0} for name in ("conv", "fc1", "fc2")}
+    latency = {"conv": {"fp16": 0.94, "fp32": 0.20}, "fc1": {"fp16": 1.25, "fp32": 0.29}, "fc2": {"fp16": 0.04,
+                                                                                              "fp32": 0.015}}
+    drawn = module_chart(sensitivity, latency, {"conv": "fp32", "fc1": "fp32", "fc2": "fp32"})
+    assert drawn.startswith("data:image/png;base64,") and len(base64.b64decode(drawn.split(",", 1)[1])) > 1000
+
+
+def test_a_study_whose_trials_were_predicted_says_so_where_it_had_said_they_were_timed(tmp_path):
+    """With `trial_timing: predicted` the legend said "in-trial timing" and the caption "timed once against fp32
+    within that trial", of speedups no trial had timed."""
+    page = html_report(tuned_study(tmp_path, trial_timing="predicted").study)
+    assert "predicted for its plan from the per-module costs" in page
+    assert "timed once against fp32 within that trial" not in page

@@ -8,8 +8,8 @@ import math
 from matplotlib.figure import Figure
 
 from autotune.backends import dtype_names
-from autotune.plan import Plan, plan_id
-from autotune.report.rows import Chosen, Row, pareto_front
+from autotune.plan import Plan, is_baseline, plan_id, summarize
+from autotune.report.rows import Chosen, Row, pareto_front, trial_speedups
 
 LABEL_LIMIT = 40     # more points than this: only the Pareto front and the chosen plan are numbered on the plot
 MODULE_LIMIT = 40    # more modules than this: the module chart shows those slowest in fp32
@@ -27,15 +27,15 @@ def accuracy_latency_chart(rows: list[Row], chosen: Chosen | None, baseline: flo
     """Accuracy vs in-trial speedup, points numbered by trial, the chosen plan at its re-timed speedup."""
     fig = Figure(figsize=(9, 5.2), dpi=110)
     ax = fig.subplots()
-    done = [r for r in rows if r.ratio is not None]
-    for passed, colour, marker, label in ((True, "tab:green", "o", "passed: in-trial timing"),
-                                          (False, "tab:red", "X", "missed tolerance: in-trial timing")):
+    done, speedups = [r for r in rows if r.ratio is not None], trial_speedups(rows)
+    for passed, colour, marker, label in ((True, "tab:green", "o", f"passed: {speedups}"),
+                                          (False, "tab:red", "X", f"missed tolerance: {speedups}")):
         group = [r for r in done if r.passed == passed]
         ax.scatter([r.speedup for r in group], [r.accuracy for r in group], c=colour, marker=marker, s=36,
                    alpha=0.75, label=label, zorder=3)
     front = pareto_front(done)
     ax.plot([r.speedup for r in front], [r.accuracy for r in front], "-", c="0.55", lw=1.0, zorder=2,
-            label="Pareto front of in-trial timings")
+            label=f"Pareto front ({speedups})")
     numbered = done if len(done) <= LABEL_LIMIT else front + [r for r in done if r.chosen]
     for row in numbered:
         ax.annotate(f"#{row.number}", (row.speedup, row.accuracy), xytext=(4, 4), textcoords="offset points",
@@ -63,7 +63,8 @@ def _mark_chosen(ax, chosen: Chosen) -> None:
     if trial is not None and trial.speedup is not None:
         ax.annotate("", (x, y), xytext=(trial.speedup, trial.accuracy),
                     arrowprops=dict(arrowstyle="->", color="#b08500", lw=1.2, ls=":"), zorder=4)
-    name = f"#{trial.number} {plan_id(chosen.plan)}" if trial is not None else "fp32 baseline"
+    name = (f"#{trial.number} {plan_id(chosen.plan)}" if trial is not None
+            else "fp32 baseline" if is_baseline(chosen.plan) else f"{summarize(chosen.plan)}, no trial's")
     (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
     on_left = x > left + 0.6 * (right - left)    # the label goes toward the middle of the plot, off the edges
     below = y > bottom + 0.5 * (top - bottom)
@@ -120,6 +121,7 @@ def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
     fig = Figure(figsize=(10, 1.4 + 0.3 * len(names)), dpi=110)
     error_ax, latency_ax = fig.subplots(1, 2, sharey=True)
     markers = "osD^v<>p"
+    plotted = {error_ax: 0, latency_ax: 0}   # points on each: a log scale with none fails to place its ticks
     for index, dtype in enumerate(dtypes):
         offset = (index - (len(dtypes) - 1) / 2) * 0.5 / max(1, len(dtypes))   # dots of one module apart
         style = dict(color=f"C{index}", marker=markers[index % len(markers)], s=30, label=dtype, zorder=3)
@@ -127,6 +129,7 @@ def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
         if dtype != "fp32":   # its error is 0 by definition, which a log scale cannot show
             finite = [(y, e) for y, e in errors if e is not None and 0 < e < math.inf]
             error_ax.scatter([e for _, e in finite], [y for y, _ in finite], **style)
+            plotted[error_ax] += len(finite)
             for y, e in errors:
                 if e is not None and not e < math.inf:
                     error_ax.annotate(f"{dtype}: inf", (1, y), xycoords=("axes fraction", "data"), fontsize=7,
@@ -134,15 +137,19 @@ def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
         times = [(i + offset, latency.get(n, {}).get(dtype)) for i, n in enumerate(names)]
         times = [(y, t) for y, t in times if t is not None and t > 0]
         latency_ax.scatter([t for _, t in times], [y for y, _ in times], **style)
+        plotted[latency_ax] += len(times)
     error_ax.set_yticks(range(len(names)), [f"{n} [{plan[n]}]" if plan and n in plan else n for n in names],
                         fontsize=8)
     error_ax.set_ylim(len(names) - 0.5, -0.5)   # first module on top
     for ax, title, label in ((error_ax, "sensitivity", "model output error, only this module lowered"),
                              (latency_ax, "module latency", "ms, the module alone")):
-        if ax.has_data():
+        if plotted[ax]:
             ax.set_xscale("log")
+            ax.set_xlabel(label + " (log)")
+        else:   # e.g. no module's output changed when lowered alone: errors of 0, which a log scale cannot show
+            ax.text(0.5, 0.5, "no error above 0 measured", transform=ax.transAxes, ha="center", va="center", fontsize=9)
+            ax.set_xlabel(label)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel(label + " (log)")
         ax.grid(alpha=0.3)
     latency_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="dtype")
     fig.tight_layout()

@@ -23,7 +23,7 @@ from autotune.report.charts import (
     module_chart,
     shown_modules,
 )
-from autotune.report.rows import Chosen, Row, tolerance_limit, trial_rows
+from autotune.report.rows import Chosen, Row, tolerance_limit, trial_rows, trial_speedups
 from autotune.result import formatted, speedup_text
 from autotune.storage import study as studies
 
@@ -241,8 +241,13 @@ def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, setting
 def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None, settings: dict[str, Any]) -> str:
     done = sum(r.ratio is not None for r in rows)
     caption = ("Each point is a trial, numbered as in the table below, at the speedup its plan showed when timed "
-               "once against fp32 within that trial. The star is the chosen plan at its speedup re-timed after "
-               "the search; the dotted arrow starts at its own trial's point.")
+               "once against fp32 within that trial. " if trial_speedups(rows) == "in-trial timing" else
+               "Each point is a trial, numbered as in the table below, at the speedup predicted for its plan from "
+               "the per-module costs (trial_timing: predicted: only the finalists were timed). ")
+    if chosen is not None:
+        caption += "The star is the chosen plan at its speedup re-timed after the search" + (
+            "; the dotted arrow starts at its own trial's point." if chosen.trial is not None
+            else ": no trial evaluated its plan (a finalist built from the trials' results).")
     if done > LABEL_LIMIT:
         caption += f" With more than {LABEL_LIMIT} trials only the Pareto front and the chosen plan are numbered."
     chart = accuracy_latency_chart(rows, chosen, baseline, tolerance_limit(baseline, settings))

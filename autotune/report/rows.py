@@ -50,6 +50,13 @@ class Chosen:
     noise: float | None = None   # how far off the speedup may be, where its timing was noisy
 
 
+def trial_speedups(rows: list[Row]) -> str:
+    """What the trials' speedups are: timed within each trial, or predicted from per-module costs where no trial
+    was timed (`trial_timing: predicted`)."""
+    timed = any(r.latency_ms is not None for r in rows if r.ratio is not None)
+    return "in-trial timing" if timed or not any(r.ratio is not None for r in rows) else "predicted"
+
+
 def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str]) -> Row:
     attrs, plan = trial.user_attrs, studies.trial_plan(trial)
     key = studies.trial_plan_key(trial)
