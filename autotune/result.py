@@ -50,6 +50,7 @@ class TuningResult:
     shapes: list[ShapeLatency] = field(default_factory=list)   # every shape timed; baseline/best: the first
     knobs: tuple[str, ...] = ()   # model-level knobs `model` runs with: autotune.engines.knobs
     held: str = "fp32"       # the dtype the model was handed over in: what the baseline and the plan's "fp32" hold
+    stopped: str | None = None   # why the search stopped, where the summary says it (the CLI says it as it stops)
 
     def __call__(self, *args, **kwargs):
         raise TypeError("autotune returns a TuningResult, not the model: call result.model (INC's autotune returns "
@@ -84,7 +85,8 @@ class TuningResult:
         speedup = speedup_text(self.speedup, max(self.noisy_shapes().values(), default=None))
         lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
                  f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
-                 f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"]
+                 f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"
+                 + (f"; search stopped: {self.stopped}" if self.stopped else "")]
         medians = self.best.latency.median_ms / self.baseline.latency.median_ms
         if len(self.shapes) <= 1 and (medians - 1) * (1 / self.speedup - 1) < 0:
             lines.insert(2, "the medians above disagree with the speedup: it is the median of per-round ratios, "

@@ -128,8 +128,8 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
     started = time.monotonic()
     runner = start_runner(model, tune_config, eval_fn, example_inputs, measurer, callbacks, eval_args=eval_args,
                           run_fn=run_fn, run_args=run_args)
-    search(runner, started)
-    return finish(runner, started)
+    stopped = search(runner, started)
+    return finish(runner, started, stopped)
 
 
 @_fewer_collections()
@@ -328,8 +328,9 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 
 
 @_fewer_collections()
-def finish(runner: TrialRunner, started: float) -> TuningResult:
-    """The verified winner of the study, recorded on it as `best`."""
+def finish(runner: TrialRunner, started: float, stopped: str | None = None) -> TuningResult:
+    """The verified winner of the study, recorded on it as `best`; `stopped`, why the search stopped, for its
+    summary."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner, started + runner.config.timeout if runner.config.timeout else None)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
@@ -341,7 +342,7 @@ def finish(runner: TrialRunner, started: float) -> TuningResult:
         best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
-        held=held_dtype(runner.fp32))
+        held=held_dtype(runner.fp32), stopped=stopped)
     noisy, recorded_with = result.noisy_shapes(), studies.recorded_with(result.trials_evaluated, runner.config)
     if not winner.recorded:   # a recorded best built again keeps its figures: `autotune bench` times it anew
         studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,

@@ -392,3 +392,22 @@ def test_the_guided_phase_stops_at_max_trials(tmp_path, max_trials):
                           tolerable_loss=1e-9, max_trials=max_trials, storage=f"sqlite:///{tmp_path}/m.db")
     result = autotune(model, config, fidelity(model, x), x, measurer=HalfCostMeasurer(["0", "2", "4"]))
     assert result.trials_evaluated == max_trials
+
+
+def test_a_search_left_nothing_but_fp32_says_why_in_the_summary(storage):
+    """Every lower dtype slower than fp32 in every module: the run evaluated 0 of its max_trials, and the Python
+    API's summary said only "0 evaluated trials"; the search's own reason, "every plan of the space was tried",
+    said nothing of the pruning."""
+    from conftest import HalfCostMeasurer
+
+    class LoweredIsSlower(HalfCostMeasurer):
+        def module_latency(self, fp32, candidates, inputs, calibration):
+            return {name: {d: 1.0 if d == "fp32" else 3.0 for d in dtypes} for name, dtypes in candidates.items()}
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), engines=["eager"], max_trials=8,
+                          storage=storage)
+    result = autotune(model, config, lambda m: 1.0, x, measurer=LoweredIsSlower(["0", "2"]))
+    assert result.trials_evaluated == 0 and result.stopped.startswith("no plan to try but fp32: every module's")
+    assert f"search stopped: {result.stopped}" in result.summary()

@@ -108,6 +108,9 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
         # A plan another worker is running is theirs: move on rather than wait for it.
         if key not in runner.outcomes and not runner.held_elsewhere(key):
             runner.run_plan(plan, "exhaustive")
+    if runner.space.size == 1:   # fp32 alone: the signals pruned every lower dtype of every module
+        return ("no plan to try but fp32: every module's lower dtypes were pruned, as slower than fp32 or as losing "
+                "too much alone (`autotune show` lists each module's figures)")
     return budget.spent(runner) or (patience.reason() if patience.spent else "every plan of the space was tried")
 
 
