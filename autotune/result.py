@@ -92,7 +92,8 @@ class TuningResult:
             lines.insert(2, "the medians above disagree with the speedup: it is the median of per-round ratios, "
                             "fp32 and the tuned model timed in each round, which a busy host's swings leave alone")
         if busy := self.contended_shapes():
-            lines.insert(2, CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed"))
+            lines.insert(2, f"other processes kept the CPUs busy while {', '.join(filter(None, busy)) or 'it'} was "
+                            "timed: the speedup may be far off (`autotune bench` times it again)")
         if len(self.shapes) > 1:
             lines.insert(1, table([("shape", "weight", "fp32 ms", "tuned ms", "speedup"),
                                    *((s.name, f"{s.weight:g}", _latency(s.fp32), _latency(s.best),
