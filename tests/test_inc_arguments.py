@@ -6,7 +6,7 @@ import torch
 from conftest import HalfCostMeasurer
 from torch import nn
 
-from autotune import ConfigError, EvalFunctionError, TuningConfig, autotune
+from autotune import ConfigError, EvalFunctionError, MixedPrecisionConfig, TuningConfig, autotune
 from autotune.tuner import start_runner
 
 NAMES = ["0", "2"]
@@ -148,6 +148,8 @@ def test_a_yaml_calibration_that_builds_no_run_fn_and_a_refused_one_say_so():
 
 
 @pytest.mark.parametrize(("field", "instead"), [("sampler", "the search chooses its own plans"),
+                                                ("strategy", "the search chooses its own plans"),
+                                                ("diagnosis", "leave it out: `autotune show` and `autotune report`"),
                                                 ("accuracy_criterion", "write tolerable_loss, loss_kind"),
                                                 ("tuning_criterion", "write max_trials, timeout")])
 def test_an_inc_field_with_no_place_here_says_what_to_write_instead(field, instead):
@@ -165,3 +167,21 @@ def test_the_result_called_as_inc_users_call_their_model_says_where_the_model_is
     with pytest.raises(TypeError, match=r"call result.model \(INC's autotune returns the tuned model itself\)"):
         result(EVAL_BATCHES[0])
     assert result.model(EVAL_BATCHES[0]).shape == (16, 4)
+
+
+@pytest.mark.parametrize(("field", "instead"), [("white_list", "write module_types"), ("black_list", "write exclude"),
+                                                ("precisions", "write dtype"), ("op_name_dict", "write include"),
+                                                ("op_type_dict", "write module_types"), ("backend", "engines"),
+                                                ("device", "belongs to TuningConfig"),
+                                                ("tolerable_loss", "belongs to TuningConfig")])
+def test_inc_mixed_precision_fields_say_what_to_write_here(field, instead):
+    """INC 2.x and 3.x MixedPrecisionConfig arguments were refused with "Extra inputs are not permitted" alone."""
+    with pytest.raises(ConfigError, match=rf"MixedPrecisionConfig: {field}: Extra inputs are not permitted; .*"
+                                          rf"{instead}"):
+        MixedPrecisionConfig(**{field: "x"})
+
+
+def test_a_timeout_of_zero_inc_s_no_limit_says_how_to_write_no_limit():
+    with pytest.raises(ConfigError, match=r"timeout: 0 seconds leaves no time; for no limit \(INC's 0\) leave timeout "
+                                          "out or give null"):
+        TuningConfig(timeout=0)

@@ -43,9 +43,22 @@ DtypeName = Annotated[str, AfterValidator(_known_dtype)]
 # Intel Neural Compressor's fields this config has no place for, with what to write instead.
 INC_FIELDS = {
     "sampler": "the search chooses its own plans (guided by measured per-module costs, then TPE): leave it out",
-    "accuracy_criterion": "write tolerable_loss, loss_kind ('relative' or 'absolute') and higher_is_better instead",
-    "tuning_criterion": "write max_trials, timeout and objective instead",
+    "strategy": "the search chooses its own plans (guided by measured per-module costs, then TPE): leave it out",
+    "accuracy_criterion": "write tolerable_loss, loss_kind ('relative' or 'absolute') and higher_is_better on "
+                          "TuningConfig instead",
+    "tuning_criterion": "write max_trials, timeout and objective on TuningConfig instead",
     "quant_level": "leave it out: every dtype in config_set is searched per module",
+    "diagnosis": "leave it out: `autotune show` and `autotune report` give every trial's plan, score and timing",
+    "precisions": "write dtype: the dtypes searched per module, fp32 among them",
+    "excluded_precisions": "leave those out of dtype",
+    "white_list": "write module_types (the module classes searched) or include (fnmatch globs on module names)",
+    "black_list": "write exclude: fnmatch globs on module names, kept in fp32",
+    "op_name_dict": "write include / exclude: fnmatch globs on module names (excluded ones stay fp32)",
+    "op_type_dict": "write module_types: the module classes searched",
+    "backend": "leave it out: engines (eager, compiled, inductor, lowp) says how plans may run",
+    "device": "device belongs to TuningConfig",
+    "tolerable_loss": "tolerable_loss belongs to TuningConfig",
+    "max_trials": "max_trials belongs to TuningConfig",
 }
 
 
@@ -256,6 +269,13 @@ class TuningConfig(ConfigModel):
                 type=PydanticCustomError("relative_loss", message), loc=("tolerable_loss",),
                 input=self.tolerable_loss)])
         return self
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _no_limit_is_none(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            raise ValueError("0 seconds leaves no time; for no limit (INC's 0) leave timeout out or give null")
+        return value
 
     @field_validator("device")
     @classmethod
