@@ -324,3 +324,12 @@ def test_a_study_whose_trials_were_predicted_says_so_where_it_had_said_they_were
     page = html_report(tuned_study(tmp_path, trial_timing="predicted").study)
     assert "predicted for its plan from the per-module costs" in page
     assert "timed once against fp32 within that trial" not in page
+
+
+def test_what_the_tuner_stored_with_the_chosen_plan_reads_as_text_not_python(tuned):
+    """The chosen plan's table showed `{'batch 4': 1.4957450051251806}`, a dict of what it was recorded with and
+    `['channels_last']`."""
+    _, out = tuned
+    section = re.search(r"<h2 id='chosen'>.*?</table>", out.read_text(), re.S).group(0)
+    assert "{" not in section and "['" not in section and "':" not in section, section
+    assert re.search(r"<td>speedup by shape</td><td>-</td><td>[^<]*: \d+\.\d\dx</td>", section), section

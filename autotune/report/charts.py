@@ -6,6 +6,7 @@ import io
 import math
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from autotune.backends import dtype_names
 from autotune.plan import Plan, is_baseline, plan_id, summarize
@@ -37,9 +38,12 @@ def accuracy_latency_chart(rows: list[Row], chosen: Chosen | None, baseline: flo
     ax.plot([r.speedup for r in front], [r.accuracy for r in front], "-", c="0.55", lw=1.0, zorder=2,
             label=f"Pareto front ({speedups})")
     numbered = done if len(done) <= LABEL_LIMIT else front + [r for r in done if r.chosen]
+    at: dict[tuple[float, float], list[Row]] = {}   # trials at one point (one plan's twins, fp32 alike) share a label
     for row in numbered:
-        ax.annotate(f"#{row.number}", (row.speedup, row.accuracy), xytext=(4, 4), textcoords="offset points",
-                    fontsize=7, color="0.25")
+        at.setdefault((round(row.speedup, 3), round(row.accuracy, 6)), []).append(row)
+    for same in at.values():
+        ax.annotate(" ".join(f"#{row.number}" for row in same), (same[0].speedup, same[0].accuracy), xytext=(4, 4),
+                    textcoords="offset points", fontsize=7, color="0.25")
     if baseline is not None:
         ax.scatter([1.0], [baseline], marker="s", s=70, c="tab:blue", label="fp32 baseline", zorder=4)
     if limit is not None:
@@ -145,6 +149,13 @@ def module_chart(sensitivity: dict, latency: dict, plan: Plan | None) -> str:
                              (latency_ax, "module latency", "ms, the module alone")):
         if plotted[ax]:
             ax.set_xscale("log")
+            # Ticks as plain numbers: matplotlib's own labelled minor ticks as 3x10^-4 4x10^-4 ... where the points
+            # span less than a decade, and the labels ran into each other.
+            low, high = ax.dataLim.intervalx
+            narrow = high < low * 30     # less than a decade and a half: 1, 2 and 5 of each decade, else decades
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=7))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.2g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(label + " (log)")
         else:   # e.g. no module's output changed when lowered alone: errors of 0, which a log scale cannot show
             ax.text(0.5, 0.5, "no error above 0 measured", transform=ax.transAxes, ha="center", va="center", fontsize=9)

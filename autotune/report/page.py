@@ -91,8 +91,7 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
     if trial is not None and trial.speedup is not None:
         rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
                                           f"accuracy {formatted(trial.accuracy)}"])
-    rows += [[key.replace("_", " "), "-", formatted(value) if isinstance(value, float) else str(value)]
-             for key, value in chosen.extra.items()]
+    rows += [[key.replace("_", " "), "-", _shown(key, value)] for key, value in chosen.extra.items()]
     caption = ("The chosen plan is the one the tuner returned: after the search, the best passing plans were "
                "timed again together with fp32 and the fastest was re-evaluated. Its speedup here is from that "
                "re-timing, so it can differ from the single timing its trial took.")
@@ -101,6 +100,17 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
     return ("<h2 id='chosen'>Baseline vs best (chosen plan)</h2>"
             + _table(["", f"{held} baseline", "chosen plan"], rows)
             + f"<p class='caption'>{html.escape(caption)}</p>")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A value the tuner stored with the chosen plan, as a reader reads it (not Python's repr of it)."""
+    if isinstance(value, dict):
+        return "; ".join(f"{name}: {_shown(key, item)}" for name, item in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(item) for item in value) or "none"
+    if isinstance(value, float):
+        return f"{value:.2f}x" if "speedup" in key else f"{value:.1f} s" if key.endswith("_s") else formatted(value)
+    return str(value)
 
 
 def finalists_section(setup_s: dict[str, float], race: dict[str, float], evaluated: dict[str, str],
