@@ -68,7 +68,7 @@ def _mark_chosen(ax, chosen: Chosen) -> None:
         ax.annotate("", (x, y), xytext=(trial.speedup, trial.accuracy),
                     arrowprops=dict(arrowstyle="->", color="#b08500", lw=1.2, ls=":"), zorder=4)
     name = (f"#{trial.number} {plan_id(chosen.plan)}" if trial is not None
-            else "fp32 baseline" if is_baseline(chosen.plan) else f"{summarize(chosen.plan)}, no trial's")
+            else "fp32 baseline" if is_baseline(chosen.plan) else f"{summarize(chosen.plan)} (no trial)")
     (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
     on_left = x > left + 0.6 * (right - left)    # the label goes toward the middle of the plot, off the edges
     below = y > bottom + 0.5 * (top - bottom)
@@ -82,11 +82,11 @@ def history_chart(rows: list[Row], chosen: Chosen | None) -> str:
     """Each trial's in-trial speedup by trial number, the best passing one so far, and the chosen plan's."""
     fig = Figure(figsize=(9, 3.8), dpi=110)
     ax = fig.subplots()
-    done = [r for r in rows if r.ratio is not None]
+    done, speedups = [r for r in rows if r.ratio is not None], trial_speedups(rows)
     for passed, colour, marker, label in ((True, "tab:green", "o", "passed"), (False, "tab:red", "X", "missed")):
         group = [r for r in done if r.passed == passed]
         ax.scatter([r.number for r in group], [r.speedup for r in group], c=colour, marker=marker, s=24,
-                   alpha=0.6, label=f"{label} (in-trial speedup)", zorder=3)
+                   alpha=0.6, label=f"{label} ({speedups})", zorder=3)
     steps, best = [], None
     for row in done:
         if row.passed and (best is None or row.speedup > best):
@@ -95,7 +95,7 @@ def history_chart(rows: list[Row], chosen: Chosen | None) -> str:
             steps.append((row.number, best))
     if steps:
         ax.step([n for n, _ in steps], [s for _, s in steps], where="post", c="tab:green", lw=2,
-                label="best passing so far (in-trial)")
+                label=f"best passing so far ({speedups})")
     ax.axhline(1.0, color="tab:blue", lw=0.8, ls=":", label="fp32")
     if chosen is not None:
         ax.axhline(chosen.speedup, color=CHOSEN_COLOUR, lw=1.5, ls="--",

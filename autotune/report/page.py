@@ -265,9 +265,11 @@ def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None
 
 
 def _history_section(rows: list[Row], chosen: Chosen | None) -> str:
-    caption = ("The best passing speedup found so far (1 / in-trial latency ratio) by trial number, and each "
-               "trial's own. These are single timings taken within each trial; the dashed line is the chosen "
-               "plan's speedup re-timed after the search, which is what the tuner reports.")
+    taken = ("single timings taken within each trial" if trial_speedups(rows) == "in-trial timing" else
+             "predicted from the per-module costs, no trial timed")
+    caption = ("The best passing speedup found so far by trial number, and each trial's own. These are "
+               f"{taken}; the dashed line is the chosen plan's speedup re-timed after the search, which is what the "
+               "tuner reports.")
     return ("<h2 id='history'>Optimisation history</h2>"
             + _figure("optimisation history", history_chart(rows, chosen), caption))
 
