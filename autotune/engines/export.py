@@ -71,8 +71,7 @@ def _lengths_fixed(exported: torch.export.ExportedProgram, inputs: list[torch.Te
     for index, (name, tensor, dims) in enumerate(zip(names, inputs, free)):
         shape = placeholders[name].meta["val"].shape
         features = tensor.dim() - 1 if tensor.is_floating_point() and tensor.dim() > 1 else None
-        fixed |= {(index, dim) for dim in dims
-                  if dim != features and is_concrete_int(shape[dim])}
+        fixed |= {(index, dim) for dim in dims if dim != features and is_concrete_int(shape[dim])}
     return fixed
 
 
