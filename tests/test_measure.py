@@ -256,9 +256,10 @@ def test_the_summary_says_why_its_medians_can_disagree_with_the_speedup():
     assert "disagree" not in result([10.0] * 5, [9.0] * 5).summary()
 
 
-def _spin(seconds: float) -> None:
+def _spin(seconds: float, spinning) -> None:
     import time
     end = time.monotonic() + seconds
+    spinning.release()
     while time.monotonic() < end:
         pass
 
@@ -277,9 +278,13 @@ def test_timing_beside_processes_that_keep_the_cpus_busy_is_told_and_the_summary
     if not os.path.exists("/proc/stat"):
         pytest.skip("the CPUs' busy time is read from Linux's /proc/stat")
     cpus = os.cpu_count() or 1
-    burners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(30.0,)) for _ in range(min(cpus, 4))]
+    context = multiprocessing.get_context("spawn")
+    spinning = context.Semaphore(0)
+    burners = [context.Process(target=_spin, args=(30.0, spinning)) for _ in range(min(cpus, 4))]
     for burner in burners:
         burner.start()
+    for _ in burners:   # each started spinning (a spawned process takes a moment to come up)
+        assert spinning.acquire(timeout=60)
     try:
         model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval()
         timed = measure_latency({"a": model, "b": model}, ((torch.randn(64, 256),), {}), repeats=5, num_threads=cpus)

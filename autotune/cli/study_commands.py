@@ -84,7 +84,7 @@ def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallbac
         return
     # Counts only this run's trials: starting part-full would make click's ETA too optimistic.
     label = "evaluated trials" + (f" (after {done} earlier)" if done else "")
-    if not click.get_text_stream("stdout").isatty():   # a log: click's bar would leave its label alone on a line
+    if not sys.stdout.isatty():   # a log: click's bar would leave its label alone on a line
         counted = [0]
 
         def said(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
