@@ -84,8 +84,8 @@ class TuningResult:
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
         speedup = speedup_text(self.speedup, max(self.noisy_shapes().values(), default=None))
         lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
-                 f"study {self.study.study_name!r}: {self.trials_evaluated} evaluated trials; "
-                 f"{self.eval_calls} eval_fn calls this run; {self.wall_time_s:.1f} s"
+                 f"study {self.study.study_name!r}: {counted(self.trials_evaluated, 'evaluated trial')}; "
+                 f"{counted(self.eval_calls, 'eval_fn call')} this run; {self.wall_time_s:.1f} s"
                  + (f"; search stopped: {self.stopped}" if self.stopped else "")]
         medians = self.best.latency.median_ms / self.baseline.latency.median_ms
         if len(self.shapes) <= 1 and (medians - 1) * (1 / self.speedup - 1) < 0:
@@ -109,6 +109,11 @@ def speedup_text(speedup: float, noise: float | None = None) -> str:
 def best_speedup(best: dict) -> str:
     """speedup_text of a study's recorded `best`."""
     return speedup_text(best["speedup"], best.get(NOISE_KEY))
+
+
+def counted(number: int, noun: str) -> str:
+    """`1 evaluated trial`, `2 evaluated trials`."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def formatted(value: float | None, pattern: str | None = None) -> str:

@@ -67,7 +67,7 @@ def test_tune_into_a_log_says_each_evaluated_trial_on_a_line_of_its_own(tuned):
     """Without a terminal, click's progress bar printed its label alone ("evaluated trials") and nothing more."""
     _, _, _, result = tuned
     counted = re.findall(r"^evaluated trials: (\d+) of at most \d+$", result.output, re.MULTILINE)
-    evaluated = int(re.search(r"(\d+) evaluated trials", result.output).group(1))
+    evaluated = int(re.search(r"(\d+) evaluated trials?\b", result.output).group(1))
     assert counted == [str(n) for n in range(1, evaluated + 1)], result.output
     assert "evaluated trials\n" not in result.output
 
@@ -75,10 +75,10 @@ def test_tune_into_a_log_says_each_evaluated_trial_on_a_line_of_its_own(tuned):
 def test_tune_again_resumes_the_study(tuned):
     folder, config, _, first = tuned
     # Pruning by measured latency can leave fewer plans than max_trials, so read how many the first run made.
-    evaluated = re.search(r"(\d+) evaluated trials", first.output).group(1)
+    evaluated = re.search(r"(\d+) evaluated trials?\b", first.output).group(1)
     result = run("tune", str(config), env={"TUNE_DIR": str(folder)})
     assert result.exit_code == 0, result.output
-    assert f"resuming after {evaluated} evaluated trials" in result.output
+    assert re.search(rf"resuming after {evaluated} evaluated trials?\b", result.output)
 
 
 def test_a_study_stopped_before_its_first_trial_resumes_and_is_not_called_new(tmp_path):

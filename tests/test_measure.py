@@ -238,6 +238,21 @@ def test_the_summary_says_how_far_off_a_speedup_timed_noisily_may_be():
     assert "speedup 2.00x (±" in noisy and " %: noisy timing)   plan" in noisy
 
 
+def test_the_summary_counts_one_trial_and_one_call_in_the_singular():
+    """A study of one evaluated trial read "1 evaluated trials; 1 eval_fn calls this run"."""
+    from types import SimpleNamespace
+
+    from autotune.measure.latency import LatencyStats
+    from autotune.result import Measurement, TuningResult
+
+    def summary(calls: int, trials: int) -> str:
+        fp32, best = (LatencyStats(ms, 0.0, 5, (ms,) * 5) for ms in (10.0, 5.0))
+        return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
+                            SimpleNamespace(study_name="s"), calls, trials, 1.0).summary()
+    assert "study 's': 1 evaluated trial; 1 eval_fn call this run;" in summary(1, 1)
+    assert "study 's': 2 evaluated trials; 0 eval_fn calls this run;" in summary(0, 2)
+
+
 def test_the_summary_says_why_its_medians_can_disagree_with_the_speedup():
     """A GPT-2's summary showed the tuned median above fp32's on the row above "speedup 1.08x", with no word why."""
     from types import SimpleNamespace

@@ -36,7 +36,7 @@ from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration,
 from autotune.errors import PlanError, describe
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
-from autotune.result import NOISE_KEY, best_speedup, formatted, table
+from autotune.result import NOISE_KEY, best_speedup, counted, formatted, table
 from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
@@ -123,11 +123,11 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     if worker:
         runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), run_fn=config.build_run_fn())
         search(runner, started)
-        click.echo(f"worker {os.getpid()}: {runner.eval_calls} eval_fn calls")
+        click.echo(f"worker {os.getpid()}: {counted(runner.eval_calls, 'eval_fn call')}")
         return
     name, done = evaluated_so_far(model, tuning)
     # A run stopped before its first trial was evaluated kept its baseline and signals: a resumed study, not new.
-    state = "new" if done is None else f"resuming after {done} evaluated trials"
+    state = "new" if done is None else f"resuming after {counted(done, 'evaluated trial')}"
     done = done or 0
     click.echo(f"study {name!r} in {shown(tuning.storage)}: {state}"
                + (f"; {workers} workers" if workers > 1 else ""))

@@ -128,7 +128,7 @@ class JobQueue:
         with self.engine.connect() as connection:
             rows = connection.execute(sqlalchemy.select(jobs_table).where(jobs_table.c.state.in_(states))
                                       .order_by(jobs_table.c.id)).mappings().all()
-        return [job for job in map(lambda row: Job(**row), rows) if _names_study(job, study_name)]
+        return [job for job in (Job(**row) for row in rows) if _names_study(job, study_name)]
 
     def set_study(self, job_id: int, study_name: str) -> None:
         with self.engine.begin() as connection:
