@@ -14,6 +14,7 @@ CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threa
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
              "time the plan again on a quiet machine (`autotune bench`), or set num_threads to leave cores free")
 NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
+BUSY_KEY = "timed_busy"       # in a study's `best`: true where other processes kept the CPUs busy as it was timed
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,17 @@ class TuningResult:
         return "\n".join(lines)
 
 
-def speedup_text(speedup: float, noise: float | None = None) -> str:
-    """`1.52x`, and how far off it may be where its timing was noisy (`noise`: a share, UNCERTAIN_RATIO or more)."""
-    return f"{speedup:.2f}x" + (f" (±{100 * noise:.0f} %: noisy timing)" if noise else "")
+def speedup_text(speedup: float, noise: float | None = None, busy: bool = False) -> str:
+    """`1.52x`, and how far off it may be where its timing was noisy (`noise`: a share, UNCERTAIN_RATIO or more) or
+    taken beside other busy processes (`busy`: see CONTENDED)."""
+    doubts = ([f"±{100 * noise:.0f} %: noisy timing"] if noise else []) + (
+        ["timed beside busy processes: may be far off"] if busy else [])
+    return f"{speedup:.2f}x" + (f" ({'; '.join(doubts)})" if doubts else "")
 
 
 def best_speedup(best: dict) -> str:
     """speedup_text of a study's recorded `best`."""
-    return speedup_text(best["speedup"], best.get(NOISE_KEY))
+    return speedup_text(best["speedup"], best.get(NOISE_KEY), bool(best.get(BUSY_KEY)))
 
 
 def counted(number: int, noun: str) -> str:

@@ -39,7 +39,7 @@ from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
-from autotune.result import CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult
+from autotune.result import BUSY_KEY, CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult
 from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
@@ -344,14 +344,16 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None) -> T
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
         held=held_dtype(runner.fp32), stopped=stopped)
     noisy, recorded_with = result.noisy_shapes(), studies.recorded_with(result.trials_evaluated, runner.config)
+    busy = result.contended_shapes()
     if not winner.recorded:   # a recorded best built again keeps its figures: `autotune bench` times it anew
         studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                          "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
                                          "knobs": list(winner.knobs), "finalist": winner.name,
                                          "speedup_by_shape": {shape.name: shape.speedup for shape in shapes},
                                          studies.BEST_RECORDED_WITH: recorded_with,
-                                         **({NOISE_KEY: max(noisy.values())} if noisy else {})})
-    if busy := result.contended_shapes():
+                                         **({NOISE_KEY: max(noisy.values())} if noisy else {}),
+                                         **({BUSY_KEY: True} if busy else {})})
+    if busy:
         log.warning(CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed"))
     if noisy:
         log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "

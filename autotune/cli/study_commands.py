@@ -36,7 +36,7 @@ from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration,
 from autotune.errors import PlanError, describe
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
-from autotune.result import NOISE_KEY, best_speedup, counted, formatted, table
+from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
 from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
@@ -232,8 +232,9 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
     data = {"study": study_name, "baseline_accuracy": baseline,
             "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
             "knobs": best.get("knobs", []), "plan": best["plan"]}
-    if NOISE_KEY in best:   # how far off the speedup may be: its timing was noisy
-        data[NOISE_KEY] = best[NOISE_KEY]
+    for doubt in (NOISE_KEY, BUSY_KEY):    # how far off the speedup may be: its timing was noisy, or busy
+        if doubt in best:
+            data[doubt] = best[doubt]
     if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
     if timed_calls := studies.get_attr(study, TIMED_CALLS_ATTR):   # for `bench`, which times what tuning timed

@@ -85,7 +85,8 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
     rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
-            [f"speedup vs the {held} baseline", "1.00x", f"{speedup_text(chosen.speedup, chosen.noise)} (re-timed)"],
+            [f"speedup vs the {held} baseline", "1.00x",
+             f"{speedup_text(chosen.speedup, chosen.noise, chosen.busy)} (re-timed)"],
             ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan, held))}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:

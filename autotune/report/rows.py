@@ -9,7 +9,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.plan import Plan, plan_key
-from autotune.result import NOISE_KEY
+from autotune.result import BUSY_KEY, NOISE_KEY
 from autotune.storage import study as studies
 
 
@@ -48,6 +48,7 @@ class Chosen:
     trial: Row | None            # the trial that first evaluated this plan, if any did
     extra: dict[str, Any]        # any further keys the tuner stored with it
     noise: float | None = None   # how far off the speedup may be, where its timing was noisy
+    busy: bool = False           # timed beside other busy processes: it may be far off
 
 
 def trial_speedups(rows: list[Row]) -> str:
@@ -80,8 +81,9 @@ def trial_rows(study: optuna.Study) -> tuple[list[Row], Chosen | None]:
     if not best:
         return rows, None
     trial = next((row for row in rows if row.chosen), None)
-    extra = {k: v for k, v in best.items() if k not in ("plan", "accuracy", "speedup", NOISE_KEY)}
-    return rows, Chosen(dict(best["plan"]), best["accuracy"], best["speedup"], trial, extra, best.get(NOISE_KEY))
+    extra = {k: v for k, v in best.items() if k not in ("plan", "accuracy", "speedup", NOISE_KEY, BUSY_KEY)}
+    return rows, Chosen(dict(best["plan"]), best["accuracy"], best["speedup"], trial, extra, best.get(NOISE_KEY),
+                        bool(best.get(BUSY_KEY)))
 
 
 def pareto_front(rows: list[Row]) -> list[Row]:
