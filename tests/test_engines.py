@@ -1637,3 +1637,33 @@ def test_a_finished_study_run_again_builds_only_its_recorded_compiled_winner(tmp
     assert (again.engine, again.plan, again.eval_calls) == ("compiled", first.plan, 1)
     assert built == [first.study.user_attrs["autotune.best"]["finalist"]] and is_compiled(again.model)
     assert again.speedup == pytest.approx(2.5)
+
+
+def test_a_compiled_model_takes_eval_and_train_as_an_evaluate_function_calls_them(tmp_path):
+    """torch.export's graphs refuse train() and eval(): an eval_fn starting with `model.eval()` failed on every
+    compiled finalist ("re-evaluation failed (NotImplementedError ...)"), so the compiled engine could never win, and
+    the model it returned raised on `.eval()`."""
+    model, x = mlp(), torch.randn(16, 32)
+    built = CompiledEngine().runnable(realise(model, {"0": "int8", "2": "int8", "4": "int8"}, "compiled",
+                                              Calibration(batches(), {})))
+    with torch.no_grad():
+        before = built(x)
+        assert built.train() is built and built.training
+        trained = built(x)     # still the converted graph: inference whatever the flag
+        assert built.eval() is built and not built.training
+    assert torch.equal(before, trained)
+
+    def evaluate(m: nn.Module) -> float:
+        m.eval()
+        with torch.no_grad():
+            score = -float((m(x) - model(x)).pow(2).mean())
+        m.train()
+        return score
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=1.0,
+                          loss_kind="absolute", max_trials=2, engines=["compiled"],
+                          storage=f"sqlite:///{tmp_path}/e.db", compile_cache=None)
+    result = autotune(model, config, evaluate, measurer=CompiledIsFaster(), example_inputs=x)
+    verdicts = result.study.user_attrs["autotune.finalist_evaluated"]
+    assert any("(compiled)" in name and verdict.startswith("passed") for name, verdict in verdicts.items()), verdicts
+    assert result.engine == "compiled" and result.model.eval() is result.model

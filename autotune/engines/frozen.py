@@ -60,6 +60,12 @@ class FrozenCompiled(nn.Module):
         self.unfreezable: set[tuple] = set()
         self.example = None    # zeros shaped as the first call's inputs: what saving exports the graph on
 
+    def train(self, mode: bool = True) -> FrozenCompiled:
+        """Sets the flag alone: the graph runs as it was converted, for inference, in either mode. torch.export's
+        graphs refuse train() and eval(), and an eval_fn's evaluate() calls eval() first and often train() last."""
+        self.training = mode
+        return self
+
     def forward(self, *args, **kwargs):
         if self.example is None:   # not inference tensors: export would trace them into the plan's fp32 modules
             with torch.inference_mode(False):
