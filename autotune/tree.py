@@ -1,7 +1,9 @@
-"""Walking the nested containers (tuples, lists, dicts, model-output dicts, UserDicts) that models take and return."""
+"""Walking the nested containers (tuples, lists, dicts, model-output dicts, UserDicts, dataclasses) that models take and
+return."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import UserDict
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,9 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[
         mapped = copy.copy(value)      # its other attributes (a tokenizer's encodings) as they are
         mapped.data = {key: map_tensors(item, fn, other) for key, item in value.data.items()}
         return mapped
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):   # a model's own output class
+        return dataclasses.replace(value, **{field.name: map_tensors(getattr(value, field.name), fn, other)
+                                             for field in dataclasses.fields(value) if field.init})
     return value if other is None else other(value)
 
 

@@ -1,7 +1,9 @@
+import dataclasses
 import functools
 import logging
 import math
 
+import numpy as np
 import optuna
 import pytest
 import torch
@@ -41,6 +43,45 @@ def test_eval_fn_returning_a_non_number_stops_before_any_trial(storage, returned
     with pytest.raises(EvalFunctionError, match=f"fp32 baseline evaluation failed.*{message}"):
         autotune(small_model(), config(storage), eval_fn)
     assert optuna.load_study(study_name="errors", storage=storage).trials == []
+
+
+@pytest.mark.parametrize("wrapped", [torch.tensor, lambda score: torch.tensor([[score]]), np.float32,
+                                     lambda score: np.array([score])])
+def test_eval_fn_returning_one_number_in_a_tensor_or_array_is_scored_by_it(storage, wrapped):
+    """`np.array([0.97])`, as `metric.compute()` often returns, was refused: "must return a number"."""
+    def eval_fn(model):
+        return wrapped(1.0 - float((model(INPUTS) - reference).pow(2).mean()))
+    reference = small_model()(INPUTS).detach()
+    result = autotune(small_model(), config(storage), eval_fn)
+    assert result.baseline.accuracy == pytest.approx(1.0)
+
+
+def test_a_model_returning_its_own_dataclass_is_tuned_and_returns_it(storage):
+    """Its output was refused as holding no tensor ("the model returned no tensor to compare (a Out)"), where
+    dicts and namedtuples of tensors were walked."""
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        steps: int = 1
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = small_model()
+
+        def forward(self, x):
+            return Out(self.body(x))
+
+    model = Model().eval()
+    reference = model(INPUTS).logits.detach()
+
+    def eval_fn(m):
+        return 1.0 - float((m(INPUTS).logits - reference).pow(2).mean())
+    result = autotune(model, config(storage, config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]),
+                                    engines=["eager"]), eval_fn)
+    assert result.baseline.accuracy == pytest.approx(1.0)
+    assert "body.0" in result.study.user_attrs["autotune.sensitivity"]
+    assert isinstance(result.model(INPUTS), Out)
 
 
 def test_eval_fn_raising_on_the_baseline_says_so(storage):
