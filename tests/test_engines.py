@@ -1667,3 +1667,24 @@ def test_a_compiled_model_takes_eval_and_train_as_an_evaluate_function_calls_the
     verdicts = result.study.user_attrs["autotune.finalist_evaluated"]
     assert any("(compiled)" in name and verdict.startswith("passed") for name, verdict in verdicts.items()), verdicts
     assert result.engine == "compiled" and result.model.eval() is result.model
+
+
+def test_a_batch_fixed_by_len_is_warned_of_with_that_cause(caplog):
+    """A ViT's `cls.expand(len(x), -1, -1)` made export fix the batch at 64 (len() returns an int, not a symbol);
+    the warning named only a buffer sliced to the input's length as the cause, which the model did not have."""
+    class ClassToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls, self.proj = nn.Parameter(torch.zeros(1, 1, 8)), nn.Linear(8, 8)
+
+        def forward(self, tokens):
+            return self.proj(torch.cat([self.cls.expand(len(tokens), -1, -1), tokens], 1))
+
+    torch.manual_seed(0)
+    model = ClassToken().eval()
+    calibration = Calibration([((torch.randn(6, 5, 8),), {}), ((torch.randn(6, 7, 8),), {})], {})
+    built = CompiledEngine().runnable(realise(model, {"proj": "int8"}, "compiled", calibration))
+    said = [r.getMessage() for r in caplog.records if "export fixed" in r.getMessage()]
+    assert len(said) == 1 and "`tokens` dimension 0 at 6" in said[0] and "len(x)" in said[0], said
+    with torch.no_grad():
+        assert built(torch.randn(6, 9, 8)).shape == (6, 10, 8)     # the length stays free

@@ -100,13 +100,15 @@ _said_fixed: set[str] = set()
 def _say_fixed(fixed: set[tuple[int, int]], inputs: list[torch.Tensor], names: list[str]) -> None:
     """Warns, once per size, that the graph takes one length only. A buffer of the largest length sliced to each
     call's (a causal mask, `mask[:T, :T]`) does it where the example is that long: export then decides the slice is
-    the whole buffer (torch 2.13), and traced one shorter, that it is not, refusing the full length instead."""
+    the whole buffer (torch 2.13), and traced one shorter, that it is not, refusing the full length instead. So does
+    `len(x)` (a ViT's `cls.expand(len(x), -1, -1)`): it returns an int, not a symbol."""
     where = ", ".join(f"`{names[index]}` dimension {dim} at {inputs[index].shape[dim]}" for index, dim in sorted(fixed))
     if where not in _said_fixed:
         _said_fixed.add(where)
-        log.warning("compiled engine: export fixed %s, where the model takes other sizes (a buffer of that length "
-                    "sliced to the input's, as a causal mask often is, does it): its graph takes only that size there "
-                    "and raises `Guard failed` at others; the other engines take any", where)
+        log.warning("compiled engine: export fixed %s, where the model takes other sizes (the model's code fixes "
+                    "it: a buffer of that length sliced to the input's, as a causal mask often is, or the size read "
+                    "as a Python int, as `len(x)` reads it where `x.shape[0]` would not): its graph takes only "
+                    "that size there and raises `Guard failed` at others; the other engines take any", where)
 
 
 def _free_dimensions(model: nn.Module, args: tuple, kwargs: dict,
