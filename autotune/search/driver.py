@@ -110,7 +110,8 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
             runner.run_plan(plan, "exhaustive")
     if runner.space.size == 1:   # fp32 alone: the signals pruned every lower dtype of every module
         return ("no plan to try but fp32: every module's lower dtypes were pruned, as slower than fp32 or as losing "
-                "too much alone (`autotune show` lists each module's figures)")
+                "too much alone (`autotune show` lists each module's figures); only the finalists' whole-model plans, "
+                "one dtype throughout, may still be built and raced")
     return budget.spent(runner) or (patience.reason() if patience.spent else "every plan of the space was tried")
 
 
