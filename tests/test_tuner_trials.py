@@ -411,3 +411,31 @@ def test_a_search_left_nothing_but_fp32_says_why_in_the_summary(storage):
     result = autotune(model, config, lambda m: 1.0, x, measurer=LoweredIsSlower(["0", "2"]))
     assert result.trials_evaluated == 0 and result.stopped.startswith("no plan to try but fp32: every module's")
     assert f"search stopped: {result.stopped}" in result.summary()
+
+
+def test_a_trial_another_process_failed_as_stale_while_it_ran_is_dropped_and_the_run_goes_on(storage, caplog):
+    """A worker paused mid-trial (SIGSTOP, a VM paused) or cut off from its database stops beating its trial's
+    heartbeat; another worker fails that trial as stale and queues its plan again. The first, resumed, wrote its
+    result into a finished trial and failed its whole job: `ValueError: Cannot tell a FAIL trial.`"""
+    import optuna
+
+    model = wide_model()
+    score, failed = fidelity_eval(model), []
+
+    def eval_fn(net):
+        study = optuna.load_study(study_name="lost", storage=storage)
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running and not failed:    # as another worker's stale-trial check does, mid-evaluation
+            failed.append(running[0].number)
+            study.tell(running[0].number, state=TrialState.FAIL)
+        return score(net)
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), engines=["eager"], max_trials=3,
+                          patience=10, repeats=3, storage=storage, study_name="lost")
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(model, config, eval_fn, INPUTS[:64])
+    lost = result.study.trials[failed[0]]
+    assert lost.state == TrialState.FAIL
+    assert f"trial {failed[0]} was failed by another process while this one ran it" in caplog.text
+    assert result.trials_evaluated == 3 and lost.number not in {t.number for t in result.study.trials
+                                                                if t.state == TrialState.COMPLETE}

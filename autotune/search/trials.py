@@ -119,6 +119,7 @@ class TrialRunner:
         self.refresh()
         self.eval_calls = 0
         self._last: FrozenTrial | None = None
+        self._running: tuple[int, str | None] | None = None   # (number, plan key) of the trial the objective runs
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     @property
@@ -163,10 +164,12 @@ class TrialRunner:
             fail_stale_trials(self.study, self.config.grace_period)
 
     def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        self._running = (trial.number, None)
         trial.set_user_attr(RUNNER_ATTR, f"{self._token}:{trial.number}")
         unit_plan = {unit: trial.suggest_categorical(unit, options) for unit, options in self.space.choices.items()}
         plan = self.space.expand(unit_plan)
         key = plan_key(plan)
+        self._running = (trial.number, key)
         trial.set_user_attr("plan", plan)
         self.claim(trial, key)
         known = self.outcomes.get(key)
@@ -241,10 +244,34 @@ class TrialRunner:
 
     def run_once(self) -> FrozenTrial:
         """Runs one trial (a queued plan, else one the sampler proposes); returns it as it finished."""
-        self._last = None
-        self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), callbacks=self.callbacks)
+        self._last, self._running = None, None
+        try:
+            self.study.optimize(self.objective, n_trials=1, catch=(TrialFailed,), callbacks=self.callbacks)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):   # "Cannot tell a FAIL trial."
+            if (lost := self._failed_elsewhere()) is None:
+                raise
+            return lost
         assert self._last is not None   # optimize calls the callbacks after every trial, failed ones too
         return self._last
+
+    def _failed_elsewhere(self) -> FrozenTrial | None:
+        """The trial the objective ran, where another process failed it as it ran, or None. Its heartbeat stopped
+        (this process was paused, or the database did not answer for a while), so another worker's stale-trial
+        check failed it and queued its plan again; what this process found is dropped, as a dead process's is.
+        Before, the late result failed the whole job: `ValueError: Cannot tell a FAIL trial.`"""
+        if self._running is None:
+            return None
+        number, key = self._running
+        lost = next((t for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                     if t.number == number), None)
+        if lost is None:
+            return None
+        self.outcomes.pop(key, None)
+        self.failed.discard(key)
+        log.warning("trial %d was failed by another process while this one ran it: its heartbeat stopped (this "
+                    "process was paused, or the database did not answer), and its plan was queued again; what this "
+                    "process found is dropped", number)
+        return lost
 
     def run_plan(self, unit_plan: Plan, source: str) -> Outcome | None:
         """The outcome of `unit_plan`, evaluating it only if no trial has it yet; None if its trial failed.
