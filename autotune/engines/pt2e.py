@@ -223,9 +223,11 @@ class CompiledEngine:
         with open(path, "wb") as out:   # by position, as SavedAsExported calls the graph it loads
             _write_exported(built, _by_position(signature, *inputs), out)
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
-                "torch.compile(torch.export.load(path).module()), called with torch._inductor.config.freezing = True "
-                "(inductor then runs int8 kernels) on copies of the inputs you keep (its int8 linear fused with a "
-                f"residual add can write the sum into an input), by position: ({', '.join(signature.parameters)})")
+                "torch.compile(torch.export.load(path).module(), dynamic=False), called with "
+                "torch._inductor.config.freezing = True (inductor then runs int8 kernels; it cannot freeze some such "
+                "graphs for a dynamic batch, so each batch size compiles apart) on copies of the inputs you keep "
+                "(its int8 linear fused with a residual add can write the sum into an input), by position: "
+                f"({', '.join(signature.parameters)})")
 
     def load(self, path: str) -> nn.Module:
         quantised_ops_registered()
