@@ -12,7 +12,7 @@ import optuna
 
 from autotune.cli.base import main, open_existing_storage, storage_option
 from autotune.config.file import check_without_imports, read_yaml
-from autotune.result import best_speedup, table
+from autotune.result import best_speedup, counted, table
 from autotune.service.jobs import OPEN, JobQueue
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
@@ -74,7 +74,7 @@ def worker(storage: str, allow: tuple[str, ...], exit_when_idle: bool, poll: flo
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     worked = Worker(open_storage_once_up(storage), storage, tuple(allow)).run(exit_when_idle, poll)
-    click.echo(f"worker {os.getpid()}: worked on {worked} jobs; no job is open")
+    click.echo(f"worker {os.getpid()}: worked on {counted(worked, 'job')}; no job is open")
 
 
 def _progress(storage, study_name: str | None) -> tuple[str, str]:
