@@ -75,10 +75,16 @@ class ConfigError(AutotuneError, ValueError):
             if err["type"] == "extra_forbidden" and err["loc"] and str(err["loc"][-1]) in (hints or {}):
                 message += f"; {hints[str(err['loc'][-1])]}"
             errors.append((path, message))
+        return cls.of_fields(model_name, errors)
+
+    @classmethod
+    def of_fields(cls, model_name: str, errors: list[tuple[str, str]], source: str = "") -> ConfigError:
+        """`invalid {model_name}`, prefixed with `source`, and the (field path, message) pairs: one line for one."""
+        start = f"{source}: invalid {model_name}" if source else f"invalid {model_name}"
         if len(errors) == 1:
-            return cls(f"invalid {model_name}: {errors[0][0]}: {errors[0][1]}", errors)
+            return cls(f"{start}: {errors[0][0]}: {errors[0][1]}", errors)
         lines = "\n".join(f"  {path}: {msg}" for path, msg in errors)
-        return cls(f"invalid {model_name}:\n{lines}", errors)
+        return cls(f"{start}:\n{lines}", errors)
 
 
 class EvalFunctionError(AutotuneError):

@@ -319,8 +319,11 @@ def test_submit_refuses_what_a_worker_would_fail_the_job_for_without_importing_a
     url = f"sqlite:///{tmp_path}/jobs.db"
     job = {"model": {"factory": "nowhere.to.be:found"}, "evaluation": {"eval_fn": "nowhere.to.be:scored"}}
     bad = write_yaml(tmp_path / "bad.yaml", {**job, "tuning": {"max_trials": "many", "tolerable_lose": 0.01}})
-    assert_one_error_line(run("submit", str(bad), "--storage", url), 2, "tuning: invalid TuningConfig",
-                          "max_trials: Input should be a valid integer", "tolerable_lose: Extra inputs")
+    assert_one_error_line(run("submit", str(bad), "--storage", url), 2, "bad.yaml: invalid config:",
+                          "tuning.max_trials: Input should be a valid integer", "tuning.tolerable_lose: Extra inputs")
+    one = write_yaml(tmp_path / "one.yaml", {**job, "tuning": {"tolerable_lose": 0.01}})    # worded as `tune` says it
+    assert_one_error_line(run("submit", str(one), "--storage", url), 2,
+                          "one.yaml: invalid config: tuning.tolerable_lose: Extra inputs are not permitted")
     typo = write_yaml(tmp_path / "typo.yaml", {**job, "tunning": {"max_trials": 3}})
     assert_one_error_line(run("submit", str(typo), "--storage", url), 2, "unknown section(s) tunning")
     # A variable only the workers' environment may set is left to them, as is the storage they replace.

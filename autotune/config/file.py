@@ -324,8 +324,9 @@ def check_without_imports(data: dict, source: str) -> None:
         return
     try:
         TuningConfig.from_mapping(tuning)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: tuning: {exc}", exc.errors) from None
+    except ConfigError as exc:   # worded as `tune` words it: the field's path in the whole config
+        raise ConfigError.of_fields("config", [(f"tuning.{path}", message) for path, message in exc.errors],
+                                    source) from None
 
 
 def read_yaml(text: str, source: str) -> dict:
