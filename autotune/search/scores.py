@@ -36,7 +36,8 @@ log = logging.getLogger("autotune")
 def score_of(value: Any) -> float:
     """eval_fn's return as a finite float, or EvalFunctionError saying what came back instead. A tensor or numpy
     array of one element is its number."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 or type(value).__name__ == "ndarray" and value.size == 1:
+    one_element_array = type(value).__name__ == "ndarray" and value.size == 1    # numpy's, not imported here
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or one_element_array:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise EvalFunctionError(f"eval_fn must return a number; it returned {type(value).__name__} {value!r:.80}")
