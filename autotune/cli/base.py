@@ -16,10 +16,10 @@ import optuna
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
 from autotune.storage.rdb import (
-    READ_ONLY_SQLITE,
     database_error,
     database_says,
     open_storage,
+    refused_read_only,
     shown,
     sqlite_path,
     tables_differ,
@@ -140,8 +140,8 @@ def _as_cli_error(exc: Exception) -> click.ClickException:
     if (error := database_error(exc)) is not None and tables_differ(error):   # SQLAlchemy's, or Optuna's from it
         return CliError(f"the study storage refused a statement: {database_says(error)}; where its tables were "
                         "changed by hand or by another version, they no longer match what this one writes")
-    if error is not None and "readonly database" in str(error.orig):    # SQLite's file or folder is read-only
-        return CliError(f"the study storage cannot be written: {database_says(error)}; {READ_ONLY_SQLITE}")
+    if error is not None and (what_to_do := refused_read_only(error)):
+        return CliError(f"the study storage cannot be written: {database_says(error)}; {what_to_do}")
     if error is not None:
         return CliError(f"the study storage failed: {database_says(error)}; once it answers, run the command "
                         "again (a tuning run resumes from its finished trials)")

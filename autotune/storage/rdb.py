@@ -103,6 +103,11 @@ def database_says(error: sqlalchemy.exc.DBAPIError) -> str:
                     if line.strip() and not re.match(r"LINE \d+:|\s*\^\s*$", line))
 
 
+def refused_read_only(error: sqlalchemy.exc.DBAPIError) -> str | None:
+    """Where SQLite refused a write because its file or folder is read-only: what to do (READ_ONLY_SQLITE)."""
+    return READ_ONLY_SQLITE if "readonly database" in str(error.orig) else None
+
+
 def tables_differ(error: sqlalchemy.exc.DBAPIError) -> bool:
     """Whether the database refused a statement for its tables (a column or table missing or changed by hand), as
     opposed to not answering. SQLite says so with an OperationalError, as it says most things."""
