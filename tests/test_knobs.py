@@ -574,3 +574,32 @@ def test_an_int8_convolution_in_a_model_compiled_under_autocast_runs():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 0.05     # bf16 and int8 beside fp32
+
+
+@pytest.mark.parametrize("kept_out", [{"exclude": ["0"]}, {"include": ["2", "4"]}, {}])
+def test_modules_include_or_exclude_keep_in_fp32_are_not_run_low_by_autocast_or_the_lowp_engine(tmp_path, kept_out):
+    """`exclude` means a module is never lowered: with the autocast knob the winner ran the excluded Linears in bf16
+    (their outputs bf16, off fp32 by up to 1e-2), and the lowp engine lowers the whole model, plan or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16)
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"], **kept_out), tolerable_loss=0.5,
+                          engines=["eager", "lowp"], knobs=["autocast"], max_trials=4,
+                          storage=f"sqlite:///{tmp_path}/k.db", compile_cache=None)
+
+    class LoweredIsFaster(HalfCostMeasurer):   # whatever runs them: compiled models hide their modules' plans
+        def latency(self, models, inputs, repeats, warmup=None):
+            return {name: LatencyStats(1.0 if name == "fp32" else 0.5, 0.0, repeats) for name in models}
+
+    result = autotune(model, config, fidelity(model, x), x, measurer=LoweredIsFaster())
+    attrs = result.study.user_attrs
+    built = set(attrs["autotune.finalist_setup_s"])
+    if kept_out:
+        assert "include / exclude keep modules out of tuning" in attrs["autotune.engines_dropped"]["lowp"]
+        assert "include / exclude keep modules out of tuning" in attrs["autotune.knobs_not_tried"]["autocast"]
+        assert not any("lowp" in name or "autocast" in name for name in built), built
+    else:    # the same run without them tries both
+        assert "lowp" not in (attrs.get("autotune.engines_dropped") or {})
+        assert "autocast" not in attrs["autotune.knobs_not_tried"]
+        assert any("lowp" in name for name in built) and any("autocast" in name for name in built), built
+    assert result.knobs == () or not kept_out

@@ -156,6 +156,7 @@ class Calibration:
 class Engine(Protocol):
     name: str
     keeps_model: bool    # whether what runs is the model's own class, its methods (generate) reaching the plan
+    lowers_unplanned: bool   # whether modules outside the plan run in its low dtype too (lowp: the whole model)
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         """Why this engine cannot realise `plan` on the model `fp32`, or None if it can."""

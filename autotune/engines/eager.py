@@ -15,6 +15,7 @@ from autotune.plan import Plan, apply_plan
 class EagerEngine:
     name: str = "eager"
     keeps_model: bool = True
+    lowers_unplanned: bool = False
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         return None

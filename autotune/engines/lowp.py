@@ -45,6 +45,7 @@ def _cast_at_edges(module: nn.Module, inside: torch.dtype, outside: torch.dtype)
 class LowPrecisionEngine:
     name: str = "lowp"
     keeps_model: bool = True
+    lowers_unplanned: bool = True
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         lowered = set(plan.values()) - {"fp32"}

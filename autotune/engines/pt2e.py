@@ -170,6 +170,7 @@ def _without_unread_tensors(converted: torch.fx.GraphModule) -> torch.fx.GraphMo
 class CompiledEngine:
     name: str = "compiled"
     keeps_model: bool = False   # an exported graph: the model's methods are not on it
+    lowers_unplanned: bool = False
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         other = sorted(set(plan.values()) - REALISED)

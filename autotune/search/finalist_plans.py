@@ -7,6 +7,7 @@ import logging
 
 from optuna.trial import FrozenTrial
 
+from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EagerEngine, Engine, Knob
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
@@ -146,13 +147,23 @@ def knobs_to_try(runner: TrialRunner, candidates: dict[str, list[str]], latency:
 
     def why_not(knob: Knob) -> str | None:
         low = knob.runs_in(runner.fp32)
-        return knob.supports(runner.fp32) or (too_slow(candidates, latency, low) if low else None)
+        return knob.supports(runner.fp32) or (too_slow(candidates, latency, low) or kept_from_tuning(runner.config)
+                                              if low else None)
 
     not_tried = {name: reason for name in runner.config.knobs if (reason := why_not(KNOBS[name]))}
     for name, reason in not_tried.items():
         log.info("knob %s is not tried: %s", name, reason)
     studies.set_attr(runner.study, "knobs_not_tried", not_tried)
     return [name for name in runner.config.knobs if name not in not_tried]
+
+
+def kept_from_tuning(config: TuningConfig) -> str | None:
+    """Why an engine or knob that runs modules outside the plan in a low dtype (the lowp engine, autocast) is not
+    tried: the config's include / exclude keep modules out of tuning, in fp32. None where they keep none out."""
+    if any(mixed.include or mixed.exclude for mixed in config.config_set):
+        return ("include / exclude keep modules out of tuning, in fp32, and it would run them in a low dtype too "
+                "(the lowp engine: the whole model; autocast: every matmul)")
+    return None
 
 
 def builds_as_trials(engine: Engine) -> bool:

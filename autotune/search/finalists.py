@@ -31,6 +31,7 @@ from autotune.model_call import call, entry_paths
 from autotune.plan import Plan
 from autotune.search.finalist_plans import (
     engine_plans,
+    kept_from_tuning,
     knobs_to_try,
     own_int8,
     uniform_finalists,
@@ -120,9 +121,13 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     every = without_far_misses(runner, {**paying, **own_int8(candidates, paying)})
     uniform = {dtype: plan for dtype, plan in every.items() if dtype in paying}
     knobs = knobs_to_try(runner, candidates, latency)
-    dropped: dict[str, str] = {}
+    engines = list(map(get_engine, runner.config.engines))
+    dropped = {engine.name: reason for engine in engines
+               if engine.lowers_unplanned and (reason := kept_from_tuning(runner.config))}
+    for name, reason in dropped.items():
+        log.warning("%s engine is not tried: %s", name, reason)
     builds = [_EngineBuilds(engine, engine_plans(runner, engine, uniform, every), dropped)
-              for engine in map(get_engine, runner.config.engines)]
+              for engine in engines if engine.name not in dropped]
     _build_in_turns(builds, runner, calibration, cache, timeout)
     found: dict[str, Finalist] = {}
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
