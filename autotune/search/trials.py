@@ -137,6 +137,11 @@ class TrialRunner:
             self.eval_calls += evaluated_here is not None
         return self._baseline
 
+    def judge_against(self, score: float) -> None:
+        """Judges what this run evaluates from now on against `score`: the fp32 model's on eval_fn's data now, where
+        it differs from the study's recorded one (search.winner._scored_as_recorded)."""
+        self._baseline = score
+
     def _keep_last(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._last = trial
 
