@@ -61,6 +61,33 @@ def test_a_dtype_slower_alone_is_pruned_when_the_whole_model_in_it_is_not_faster
     assert SearchSpace.build(CANDIDATES, SENSITIVITY, latency).choices["2"] == ["fp32"]
 
 
+@pytest.mark.parametrize("uniform_ms", [7.0, 10.0])
+def test_a_dtype_every_module_ran_modestly_slower_in_alone_is_judged_by_the_whole_model(monkeypatch, uniform_ms):
+    """120 Linear(384)s at batch 1, each timed alone with its weights in cache, ran 1.4x slower in int8; the whole
+    model, streaming 68 MB of weights, ran 0.7x in int8. int8 was pruned from every module and the run returned
+    fp32 where a passing plan ran 1.46x faster."""
+    candidates = {"0": ["int8", "fp32"], "2": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
+    alone = {"0": {"int8": 1.4, "fp32": 1.0}, "2": {"int8": 1.3, "fp32": 1.0},
+             "3": {"int8": 0.4, "bf16": 9.0, "fp32": 0.1}}     # bf16 emulated: hopeless, never timed whole
+    timed: list[list[str]] = []
+
+    def fake_measure(models, inputs, **kwargs):
+        timed.append(sorted(models))
+        return {key: LatencyStats({"fp32": 10.0, "int8": uniform_ms}[key], 0.0, 5) for key in models}
+
+    monkeypatch.setattr(module_latency, "measure_latency", fake_measure)
+    latency = module_latency.confirm_in_context(model(), candidates, alone, ((torch.randn(4, 8),), {}), {},
+                                             warmup=1, repeats=3, num_threads=None)
+    assert timed == [["fp32", "int8"]]
+    if uniform_ms < 10.0:    # each module saves its share of the whole model's saving: the search can fall back
+        assert latency["0"]["int8"] == pytest.approx(0.7) and latency["2"]["int8"] == pytest.approx(0.7)
+        assert latency["3"] == alone["3"]     # 4x slower alone, a small head: its verdict stands
+        assert SearchSpace.build(candidates, {n: {d: 0.01 for d in ds} for n, ds in candidates.items()},
+                                 latency).choices["2"] == ["int8", "fp32"]
+    else:
+        assert latency == alone
+
+
 def test_nothing_is_timed_when_every_module_agrees(monkeypatch):
     agreeing = {"0": ["int8", "fp32"], "3": ["int8", "bf16", "fp32"]}
     monkeypatch.setattr(module_latency, "measure_latency", lambda *a, **k: pytest.fail("timed without need"))

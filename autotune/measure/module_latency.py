@@ -90,20 +90,30 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
                        num_threads: int | None) -> dict[str, dict[str, float]]:
     """`latency`, with a dtype kept where the module alone measured it slower than fp32 but the whole model in
     that dtype runs faster than fp32 (timed interleaved with fp32; only dtypes with mixed module verdicts, where
-    the modules slower alone hold CONTEXT_MIN_SHARE of the fp32 time or more).
+    the modules slower alone hold CONTEXT_MIN_SHARE of the fp32 time or more, and dtypes every module ran
+    slower alone in, by less than HOPELESS_RATIO in all).
 
-    A kept module's cost in that dtype becomes its fp32 cost: no saving is predicted for it, so the knapsack and
-    the fastest plan leave it in fp32, but the uniform plan of that dtype stays in the search space and is tried.
+    With mixed verdicts, a kept module's cost in that dtype becomes its fp32 cost: no saving is predicted for it, so
+    the knapsack and the fastest plan leave it in fp32, but the uniform plan of that dtype stays in the search space
+    and is tried. Where every module was slower alone, each is predicted to save its share of the whole model's
+    saving (its fp32 cost times the whole model's ratio), so that the search can fall back from the uniform plan;
+    but one HOPELESS_RATIO slower alone (a small input layer or head), whose verdict stands.
     """
     slower = {d: [n for n, ds in candidates.items() if d in ds and latency[n][d] >= latency[n]["fp32"]]
               for d in {d for ds in candidates.values() for d in ds if d != "fp32"}}
     fp32_ms = sum(costs["fp32"] for costs in latency.values())
-    mixed = sorted(d for d, names in slower.items() if 0 < len(names) < sum(d in ds for ds in candidates.values())
+    every = {d: sum(d in ds for ds in candidates.values()) for d in slower}
+    mixed = sorted(d for d, names in slower.items() if 0 < len(names) < every[d]
                    and sum(latency[n]["fp32"] for n in names) >= CONTEXT_MIN_SHARE * fp32_ms)
-    if not mixed:
+    # Slower alone on every module, but not by far: many small layers at batch 1, each timed alone with its weights
+    # in cache, where the whole model streams them from memory (120 Linear(384)s: int8 1.4x fp32's time alone,
+    # the whole model in int8 0.7x).
+    modest = sorted(d for d, names in slower.items() if names and len(names) == every[d]
+                    and sum(latency[n][d] for n in names) < HOPELESS_RATIO * sum(latency[n]["fp32"] for n in names))
+    if not mixed and not modest:
         return latency
     uniform = {}
-    for dtype in mixed:
+    for dtype in mixed + modest:
         candidate = apply_plan(model, uniform_plan(candidates, dtype), calibration)
         failure = failure_of(candidate, inputs)
         if failure:   # the sensitivity step names the module it fails with, and leaves that dtype out there
@@ -116,7 +126,13 @@ def confirm_in_context(model: nn.Module, candidates: dict[str, list[str]], laten
                              num_threads=num_threads)
     confirmed = {n: dict(costs) for n, costs in latency.items()}
     for dtype in uniform:
-        if timing[dtype].median_ms < timing["fp32"].median_ms:
+        ratio = timing[dtype].median_ms / timing["fp32"].median_ms
+        if ratio < 1:
+            # Where every module was slower alone, the whole model's saving is all there is to go by: each is
+            # predicted to save its share of it. Where some were faster, those carry the saving.
             for name in slower[dtype]:
-                confirmed[name][dtype] = latency[name]["fp32"]
+                if dtype not in modest:
+                    confirmed[name][dtype] = latency[name]["fp32"]
+                elif latency[name][dtype] < HOPELESS_RATIO * latency[name]["fp32"]:   # the far slower stay so
+                    confirmed[name][dtype] = latency[name]["fp32"] * ratio
     return confirmed
