@@ -233,6 +233,9 @@ def test_trials_under_way_count_against_max_trials():
     assert budget.spent(SimpleNamespace(evaluated=7, in_flight=1, trial_s=0.0)) == \
         "max_trials (8) evaluated trials reached"
     assert budget.spent(SimpleNamespace(evaluated=5, in_flight=3, trial_s=0.0)) is not None
+    # A study of 10 resumed with max_trials 6 said "max_trials (6) evaluated trials reached" beside "10 evaluated".
+    assert budget.spent(SimpleNamespace(evaluated=10, in_flight=0, trial_s=0.0)) == \
+        "the study holds 10 evaluated trials, past max_trials (8)"
 
 
 def test_before_any_trial_the_baselines_eval_fn_call_says_how_long_a_trial_takes(tmp_path):

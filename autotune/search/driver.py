@@ -37,6 +37,8 @@ class Budget:
         # then, each an evaluation to come: counted only once ended, k workers each started one more at the last
         # step (and a dead worker's plan, queued again, ran after the stop), going up to k - 1 past max_trials.
         if runner.evaluated + runner.in_flight >= self.max_trials:
+            if runner.evaluated > self.max_trials:   # a study resumed with a smaller max_trials than it holds
+                return f"the study holds {runner.evaluated} evaluated trials, past max_trials ({self.max_trials})"
             return f"max_trials ({self.max_trials}) evaluated trials reached"
         # A trial started where one as long as the longest so far would end past the deadline ran on past it (a
         # passing trial is timed too: a BERT-base's took 93 s where failing ones took 2-12 s): on a BERT-base, 88 s
