@@ -328,9 +328,11 @@ def search(runner: TrialRunner, started: float, should_stop: Callable[[], str | 
 
 
 @_fewer_collections()
-def finish(runner: TrialRunner, started: float, stopped: str | None = None) -> TuningResult:
-    """The verified winner of the study, recorded on it as `best`; `stopped`, why the search stopped, for its
-    summary."""
+def finish(runner: TrialRunner, started: float, stopped: str | None = None,
+           still_ours: Callable[[], bool] | None = None) -> TuningResult:
+    """The verified winner of the study, recorded on it as `best` unless `still_ours` says, once it is verified,
+    that another process finished the study meanwhile (a service worker whose job another finished); `stopped`,
+    why the search stopped, for its summary."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner, started + runner.config.timeout if runner.config.timeout else None)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
@@ -345,7 +347,7 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None) -> T
         held=held_dtype(runner.fp32), stopped=stopped)
     noisy, recorded_with = result.noisy_shapes(), studies.recorded_with(result.trials_evaluated, runner.config)
     busy = result.contended_shapes()
-    if not winner.recorded:   # a recorded best built again keeps its figures: `autotune bench` times it anew
+    if not winner.recorded and (still_ours is None or still_ours()):   # a recorded best keeps its figures
         studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                          "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
                                          "knobs": list(winner.knobs), "finalist": winner.name,

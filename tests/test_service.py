@@ -379,6 +379,60 @@ def test_a_job_past_its_search_sends_other_workers_to_the_next_job_unless_its_fi
         resume_workload.expected_plan()
 
 
+def test_a_worker_not_allowed_a_running_jobs_imports_leaves_it_to_the_workers_running_it(tmp_path, monkeypatch):
+    """A default worker beside workers allowed `probe_*` took their running job (running jobs are shared) and
+    failed it at once as refused: the worker running it searched on to max_trials and the job never got a winner.
+    A queued job it may not run still fails with the reason, as no worker has run anything of it."""
+    from autotune.service.worker import Worker
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    storage = open_storage(url)
+    queue = JobQueue(storage)
+    fidelity = {"eval_fn": "resume_workload:fidelity_eval"}
+    running, queued = (queue.submit(write_job(tmp_path, name, fidelity).read_text(), str(tmp_path), f"{name}.yaml",
+                                    priority) for name, priority in (("running", 1), ("queued", 0)))
+    assert queue.take().id == running                     # taken by a worker allowed its imports
+    assert Worker(storage, url).run(exit_when_idle=True) == 2      # the default --allow: autotune.workloads.*
+    assert queue.get(running).state == "running" and queue.get(running).reason is None
+    assert queue.get(queued).state == "failed" and "evaluation.eval_fn: resume_workload:fidelity_eval" in \
+        queue.get(queued).reason
+
+
+@pytest.mark.parametrize("ended", ["cancelled", "done"])
+def test_a_finisher_whose_job_ended_meanwhile_records_nothing_and_does_not_say_done(tmp_path, monkeypatch, caplog,
+                                                                                 ended):
+    """A job cancelled while its winner was verified was logged "done" and its best written anyway; a finisher paused
+    past its lease, whose job another worker finished meanwhile, wrote its own best over that one's, so the job's
+    reason named one plan and `show` / `export` another."""
+    import logging
+
+    from autotune.service import worker as workers
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    storage = open_storage(url)
+    queue = JobQueue(storage)
+    job = queue.submit(write_job(tmp_path, "ending", {"eval_fn": "resume_workload:fidelity_eval"}).read_text(),
+                       str(tmp_path), "ending.yaml")
+    finish = workers.finish
+
+    def ended_meanwhile(runner, started, **kwargs):    # as the winner is verified, elsewhere:
+        if ended == "cancelled":
+            queue.cancel(job)
+        else:
+            queue.end(job, "done", "speedup 1.13x, finished by another worker")
+        return finish(runner, started, **kwargs)
+    monkeypatch.setattr(workers, "finish", ended_meanwhile)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        assert workers.Worker(storage, url, allow=("resume_workload:*",)).run(exit_when_idle=True) == 1
+    study = optuna.load_study(study_name="ending", storage=url)
+    assert queue.get(job).state == ended and "autotune.best" not in study.user_attrs
+    assert f"job {job} ended {ended} while this worker verified its winner" in caplog.text
+    assert f"job {job} done" not in caplog.text
+    assert ("autotune.cancelled" in study.user_attrs) == (ended == "cancelled")
+
+
 def test_the_same_config_submitted_twice_is_noted_and_its_second_job_keeps_the_recorded_best(tmp_path, monkeypatch):
     """The second job of one study rebuilt and timed the recorded winner anew, and `jobs` showed the study's
     recorded speedup beside a second, different one in that job's reason."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import getpass
 import socket
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import sqlalchemy
@@ -57,6 +58,7 @@ class Job:
     submitted_by: str
     submitted_at: datetime.datetime
     finished_at: datetime.datetime | None
+    found: str = ""    # the state `take` found it in (it marks a queued job running)
 
 
 def _now() -> datetime.datetime:
@@ -93,13 +95,15 @@ class JobQueue:
         with self.engine.begin() as connection:
             return connection.execute(jobs_table.insert().values(**row)).inserted_primary_key[0]
 
-    def take(self) -> Job | None:
+    def take(self, leaving: Collection[int] = ()) -> Job | None:
         """The job of highest priority (oldest first) that needs a worker, marked running if it was queued; None
         when no job does. A running job is shared: a worker joins it while its study has budget left. A finishing
-        job needs one only where its finisher died (its lease expired)."""
+        job needs one only where its finisher died (its lease expired). The jobs in `leaving` are not taken."""
         order = (jobs_table.c.priority.desc(), jobs_table.c.id)
         wanted = sqlalchemy.or_(jobs_table.c.state.in_((QUEUED, RUNNING)), sqlalchemy.and_(
             jobs_table.c.state == FINISHING, ~live_lease(jobs_table.c.study_name, FINISH_LEASE)))
+        if leaving:
+            wanted = sqlalchemy.and_(wanted, jobs_table.c.id.not_in(list(leaving)))
         with self.engine.begin() as connection:
             row = connection.execute(
                 sqlalchemy.select(jobs_table).where(wanted).order_by(*order).limit(1)
@@ -108,7 +112,7 @@ class JobQueue:
                 return None
             if row["state"] == QUEUED:
                 connection.execute(jobs_table.update().where(jobs_table.c.id == row["id"]).values(state=RUNNING))
-        return Job(**{**row, "state": RUNNING if row["state"] == QUEUED else row["state"]})
+        return Job(**{**row, "state": RUNNING if row["state"] == QUEUED else row["state"]}, found=row["state"])
 
     def get(self, job_id: int) -> Job:
         with self.engine.connect() as connection:

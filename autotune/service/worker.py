@@ -27,7 +27,7 @@ from autotune.errors import AutotuneError
 from autotune.plan import summarize
 from autotune.result import best_speedup
 from autotune.search.trials import TrialRunner, fail_stale_trials
-from autotune.service.jobs import CANCELLED, DONE, FAILED, FINISH_LEASE, FINISHING, RUNNING, Job, JobQueue
+from autotune.service.jobs import CANCELLED, DONE, FAILED, FINISH_LEASE, FINISHING, QUEUED, RUNNING, Job, JobQueue
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
 from autotune.storage.rdb import lost_connection, open_storage, wait_until_reachable
@@ -80,13 +80,14 @@ class Worker:
     def __init__(self, storage: RDBStorage, storage_url: str, allow: tuple[str, ...] = DEFAULT_ALLOW):
         self.storage, self.storage_url, self.allow = storage, storage_url, allow
         self.queue = JobQueue(storage)
+        self.leaving: set[int] = set()   # jobs other workers run that this one may not: left to them
 
     def run(self, exit_when_idle: bool = False, poll_s: float = 2.0) -> int:
         """Runs jobs until none is open (with `exit_when_idle`) or forever; returns how many it worked on."""
         worked: set[int] = set()
         while True:
             try:
-                job = self.queue.take()
+                job = self.queue.take(self.leaving)
             except Exception as exc:
                 self._wait_if_lost(exc)
                 continue
@@ -109,6 +110,13 @@ class Worker:
             storage = open_storage(self.storage_url, tuning.heartbeat_interval, tuning.grace_period,
                                    waits_out_outages=True)
             self._run(job, config, tuning, storage, started)
+        except JobRefused as exc:
+            if job.found == QUEUED:   # no worker has run it: refused here, it fails with the paths it named
+                self._fail(job, str(exc))
+            else:    # a worker allowed them runs it: failing it would end that worker's work too
+                self.leaving.add(job.id)
+                log.info("job %d: %s; it runs on workers that allow them, and this one leaves it to them", job.id,
+                         exc)
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
             if lost_connection(exc, self.storage.engine):
                 wait_until_reachable(self.storage.engine, exc)
@@ -158,10 +166,18 @@ class Worker:
             if self.queue.get(job.id).state != FINISHING:
                 return                 # cancelled, or finished by another worker meanwhile
             runner.refresh()
-            result = finish(runner, started)
-            self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan)}, "
-                                         f"{result.trials_evaluated} evaluated trials")
-            log.info("job %d done: speedup %.2fx", job.id, result.speedup)
+            # Another worker finishes it where this one's lease lapsed (a paused process), or it is cancelled:
+            # its verified winner is then not recorded over theirs, and the job not said done.
+            result = finish(runner, started, still_ours=lambda: self.queue.get(job.id).state == FINISHING)
+            if self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan)}, "
+                                            f"{result.trials_evaluated} evaluated trials"):
+                log.info("job %d done: speedup %.2fx", job.id, result.speedup)
+                return
+            state = self.queue.get(job.id).state
+            log.warning("job %d ended %s while this worker verified its winner: that result is dropped", job.id,
+                        state)
+            if state == CANCELLED:
+                studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
 
     def _already_tuned(self, job: Job, study_name: str, best: dict) -> None:
         """Ends a job whose study had its answer recorded before this job searched (the same config submitted
