@@ -93,3 +93,26 @@ def test_a_second_worker_runs_trials_while_the_first_evaluates_the_baseline(tmp_
         assert trial.user_attrs["accuracy_loss"] == pytest.approx(
             (baseline - trial.user_attrs["accuracy"]) / abs(baseline), abs=1e-12)
         assert trial.user_attrs["passed"] == (trial.user_attrs["accuracy_loss"] <= 0.01)
+
+
+def test_ctrl_c_at_a_terminal_says_so_once_for_all_the_processes(tmp_path):
+    """A terminal's Ctrl-C reaches the process group: `tune --workers 3` printed its "Error: interrupted" line three
+    times, once per process."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "evals.log"
+    config = write_config(tmp_path, log)
+    tune = subprocess.Popen([sys.executable, "-m", "autotune", "tune", str(config), "--workers", "3"],
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)   # a process group of its own, as a terminal's job is
+    deadline = time.monotonic() + 240
+    while len({pid for pid, _ in (line.split() for line in (log.read_text().splitlines() if log.exists() else []))}) \
+            < 2 and time.monotonic() < deadline and tune.poll() is None:
+        time.sleep(0.2)      # two processes evaluating plans
+    os.killpg(tune.pid, signal.SIGINT)
+    out, err = tune.communicate(timeout=120)
+    assert tune.returncode == 130, out + err
+    assert [line for line in err.splitlines() if line.startswith("Error:")] == [
+        "Error: interrupted; every finished trial is kept: run the same command again to resume"], err

@@ -16,10 +16,10 @@ import optuna
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
 from autotune.storage.rdb import (
+    cannot_write,
     database_error,
     database_says,
     open_storage,
-    refused_read_only,
     shown,
     sqlite_path,
     tables_differ,
@@ -129,8 +129,12 @@ class _Group(click.Group):
                 signal.signal(signal.SIGINT, previous)
 
 
+QUIET_INTERRUPT = "autotune.quiet_interrupt"   # in click's ctx.meta: a helper process, whose starter says it
+
+
 def _interrupted(ctx: click.Context) -> None:
-    click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume", err=True)
+    if not ctx.meta.get(QUIET_INTERRUPT):
+        click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume", err=True)
     ctx.exit(INTERRUPTED)
 
 
@@ -140,7 +144,7 @@ def _as_cli_error(exc: Exception) -> click.ClickException:
     if (error := database_error(exc)) is not None and tables_differ(error):   # SQLAlchemy's, or Optuna's from it
         return CliError(f"the study storage refused a statement: {database_says(error)}; where its tables were "
                         "changed by hand or by another version, they no longer match what this one writes")
-    if error is not None and (what_to_do := refused_read_only(error)):
+    if error is not None and (what_to_do := cannot_write(error)):
         return CliError(f"the study storage cannot be written: {database_says(error)}; {what_to_do}")
     if error is not None:
         return CliError(f"the study storage failed: {database_says(error)}; once it answers, run the command "

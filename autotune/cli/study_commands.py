@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
+    QUIET_INTERRUPT,
     CliError,
     interrupts,
     load_study,
@@ -112,6 +113,8 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
          verbose: bool) -> None:
     """Tune the model of a YAML CONFIG (resumes its study)."""
     started = time.monotonic()
+    # A terminal's Ctrl-C reaches the helper processes too: the starting process says it, once.
+    click.get_current_context().meta[QUIET_INTERRUPT] = worker
     config = load_config(config_path)
     tuning = config.tuning.model_copy()
     if storage:
