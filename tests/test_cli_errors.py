@@ -33,6 +33,21 @@ def assert_one_error_line(result, code: int, *fragments: str) -> None:
         assert fragment in result.output, result.output
 
 
+def test_a_full_disk_is_said_so_with_what_to_do_not_as_an_outage_to_wait_out():
+    """SQLite on a full tmpfs: "the study storage failed: database or disk is full; once it answers, run the command
+    again", as if the database would answer by itself."""
+    import sqlite3
+
+    import sqlalchemy
+
+    from autotune.storage.rdb import cannot_write
+    for said in ("database or disk is full", "could not extend file: No space left on device"):
+        error = sqlalchemy.exc.OperationalError("INSERT INTO trials ...", {}, sqlite3.OperationalError(said))
+        assert cannot_write(error).startswith("free space on its disk, then run the command again")
+    other = sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
+    assert cannot_write(other) is None
+
+
 @pytest.mark.parametrize("wal", [True, False])
 def test_a_study_folder_that_cannot_be_written_is_said_to_be_read_only(tmp_path, wal):
     """SQLite writes beside the file to read it: on a read-only share `list` said only "unable to open database

@@ -103,9 +103,15 @@ def database_says(error: sqlalchemy.exc.DBAPIError) -> str:
                     if line.strip() and not re.match(r"LINE \d+:|\s*\^\s*$", line))
 
 
-def refused_read_only(error: sqlalchemy.exc.DBAPIError) -> str | None:
-    """Where SQLite refused a write because its file or folder is read-only: what to do (READ_ONLY_SQLITE)."""
-    return READ_ONLY_SQLITE if "readonly database" in str(error.orig) else None
+def cannot_write(error: sqlalchemy.exc.DBAPIError) -> str | None:
+    """Where the database refused a write for its file system (a read-only SQLite file or folder, a full disk):
+    what to do. None for other errors."""
+    said = str(error.orig)
+    if "readonly database" in said:
+        return READ_ONLY_SQLITE
+    if "disk is full" in said or "No space left on device" in said:
+        return "free space on its disk, then run the command again (a tuning run resumes from its finished trials)"
+    return None
 
 
 def tables_differ(error: sqlalchemy.exc.DBAPIError) -> bool:
