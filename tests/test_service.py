@@ -18,6 +18,7 @@ import resume_workload
 import worker_workload
 import yaml
 from conftest import refusing_connections
+from optuna.storages import RDBStorage
 from test_resume_kill import cli_env
 
 from autotune.plan import plan_key
@@ -141,6 +142,19 @@ def test_a_worker_killed_mid_trial_loses_nothing_and_repeats_nothing(tmp_path, p
 def write_job(tmp_path: Path, name: str, evaluation: dict, **tuning) -> Path:
     return resume_workload.write_config(tmp_path, name, evaluation, max_trials=4, patience=100, repeats=3,
                                         **tuning)
+
+
+def queued_jobs(tmp_path: Path, monkeypatch, *names: str) -> tuple[str, RDBStorage, JobQueue, list[int]]:
+    """A SQLite job queue holding a job per name (the resume workload, fidelity eval_fn), the first of highest
+    priority: its URL, storage, queue and the jobs' ids."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    storage = open_storage(url)
+    queue = JobQueue(storage)
+    fidelity = {"eval_fn": "resume_workload:fidelity_eval"}
+    ids = [queue.submit(write_job(tmp_path, name, fidelity).read_text(), str(tmp_path), f"{name}.yaml",
+                        len(names) - index) for index, name in enumerate(names)]
+    return url, storage, queue, ids
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -359,13 +373,7 @@ def test_a_job_past_its_search_sends_other_workers_to_the_next_job_unless_its_fi
     from autotune.service.worker import Worker
     from autotune.storage.claims import lease
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    url = f"sqlite:///{tmp_path}/jobs.db"
-    storage = open_storage(url)
-    queue = JobQueue(storage)
-    fidelity = {"eval_fn": "resume_workload:fidelity_eval"}
-    first, second = (queue.submit(write_job(tmp_path, name, fidelity).read_text(), str(tmp_path), f"{name}.yaml",
-                                  priority) for name, priority in (("first", 1), ("second", 0)))
+    url, storage, queue, (first, second) = queued_jobs(tmp_path, monkeypatch, "first", "second")
     worker = Worker(storage, url, allow=("resume_workload:*",))
     with lease(storage, "first", FINISH_LEASE, ttl_s=60) as held:    # a finisher elsewhere, alive
         assert held
@@ -385,13 +393,7 @@ def test_a_worker_not_allowed_a_running_jobs_imports_leaves_it_to_the_workers_ru
     A queued job it may not run still fails with the reason, as no worker has run anything of it."""
     from autotune.service.worker import Worker
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    url = f"sqlite:///{tmp_path}/jobs.db"
-    storage = open_storage(url)
-    queue = JobQueue(storage)
-    fidelity = {"eval_fn": "resume_workload:fidelity_eval"}
-    running, queued = (queue.submit(write_job(tmp_path, name, fidelity).read_text(), str(tmp_path), f"{name}.yaml",
-                                    priority) for name, priority in (("running", 1), ("queued", 0)))
+    url, storage, queue, (running, queued) = queued_jobs(tmp_path, monkeypatch, "running", "queued")
     assert queue.take().id == running                     # taken by a worker allowed its imports
     assert Worker(storage, url).run(exit_when_idle=True) == 2      # the default --allow: autotune.workloads.*
     assert queue.get(running).state == "running" and queue.get(running).reason is None
@@ -409,12 +411,7 @@ def test_a_finisher_whose_job_ended_meanwhile_records_nothing_and_does_not_say_d
 
     from autotune.service import worker as workers
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    url = f"sqlite:///{tmp_path}/jobs.db"
-    storage = open_storage(url)
-    queue = JobQueue(storage)
-    job = queue.submit(write_job(tmp_path, "ending", {"eval_fn": "resume_workload:fidelity_eval"}).read_text(),
-                       str(tmp_path), "ending.yaml")
+    url, storage, queue, (job,) = queued_jobs(tmp_path, monkeypatch, "ending")
     finish = workers.finish
 
     def ended_meanwhile(runner, started, **kwargs):    # as the winner is verified, elsewhere:
