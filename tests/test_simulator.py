@@ -83,6 +83,37 @@ def test_a_queued_plan_waits_holding_its_params_and_runs_as_exactly_that_plan(tm
     assert trial_plan(trial) == runner.space.expand(plan)
 
 
+def test_a_worker_holds_the_turn_from_its_budget_read_until_its_trial_exists(tmp_path):
+    """Two workers read the study at once, each saw one trial of budget left and started it: 13 trials of 12."""
+    import threading
+    import time
+
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.search.driver import Budget
+    from autotune.storage.study import evaluated_trials
+    from autotune.tuner import start_runner
+    sim = SimWorkload(12, eval_cost_s=0)
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=0.01, storage=f"sqlite:///{tmp_path}/sim.db", study_name="budget")
+    first, second = (start_runner(sim.model(), config, sim.eval_fn, sim.example_inputs(), sim.measurer())
+                     for _ in range(2))    # two workers of one study
+    budget = Budget(max_trials=1, deadline=math.inf)
+    reading, started = threading.Event(), []
+
+    def slow_read() -> bool:      # the first worker is still deciding when the second asks
+        reading.set()
+        time.sleep(0.5)
+        return budget.left(first)
+
+    thread = threading.Thread(target=lambda: started.append(first.start_next(slow_read)))
+    thread.start()
+    assert reading.wait(30)
+    late = second.start_next(lambda: budget.left(second))
+    thread.join()
+    assert started[0] is not None and late is None
+    assert len(evaluated_trials(first.study)) == 1
+
+
 def test_the_search_benchmark_rewrites_its_own_section_of_the_results_and_keeps_the_others(tmp_path):
     from harness import write_search_section
     results = tmp_path / "results.md"

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autotune.config.tuning import TuningConfig
-from autotune.plan import plan_key
-from autotune.search.guided import GuidedSearch, exhaustive_order
+from autotune.search.guided import GuidedSearch, Status, exhaustive_order
 from autotune.search.trials import TrialRunner, fail_stale_trials
 
 EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
@@ -87,29 +86,41 @@ def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
 def run_guided(runner: TrialRunner, budget: Budget) -> None:
     """The guided plans, shared by every worker of the study: each takes the next plan no one has taken."""
     search = GuidedSearch(runner.space)
-    while budget.left(runner):
-        # A dead worker's plan is queued again before the turn: the turn is held only to choose and queue.
+
+    def choose() -> bool:     # under the study's turn: one worker at a time chooses, queues and starts
+        plan = search.next_plan(runner.status_of, runner.tolerances_lost) if budget.left(runner) else None
+        if plan is not None:
+            runner.queue(plan, "guided")
+        return plan is not None
+
+    # A dead worker's plan is queued again before the turn: it runs first, as the oldest queued trial.
+    while True:
         fail_stale_trials(runner.study, runner.config.grace_period)
-        with runner.turn("guided"):     # one worker at a time chooses and queues, so no two take one plan
-            runner.refresh()            # the budget as of now: max_trials 1 had run two seeds
-            plan = search.next_plan(runner.status_of, runner.tolerances_lost) if budget.left(runner) else None
-            if plan is not None:
-                runner.queue(plan, "guided")
-        if plan is None:
+        if runner.start_next(choose, queued_only=True) is None:
             return
-        if runner.refresh().waiting:    # else another worker's search phase took it: it runs there
-            runner.run_once()           # the oldest queued trial: this one, or one queued before it
 
 
 def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
     """The plans of a small space not run yet, fastest predicted first."""
-    for plan in exhaustive_order(runner.space):
+    plans = iter(exhaustive_order(runner.space))
+    stopped: list[str] = []
+
+    def choose() -> bool:
         if not budget.left(runner) or patience.spent:
-            return budget.spent(runner) or patience.reason()
-        key = plan_key(runner.space.expand(plan))
-        # A plan another worker is running is theirs: move on rather than wait for it.
-        if key not in runner.outcomes and not runner.held_elsewhere(key):
-            runner.run_plan(plan, "exhaustive")
+            stopped.append(budget.spent(runner) or patience.reason())
+            return False
+        if runner.waiting:    # a dead worker's plan, queued again, runs first
+            return True
+        for plan in plans:    # a plan another worker evaluated, or has queued or running, is theirs
+            if runner.status_of(plan) == Status.NEW:
+                runner.queue(plan, "exhaustive")
+                return True
+        return False
+
+    while runner.start_next(choose, queued_only=True) is not None:
+        pass
+    if stopped:
+        return stopped[0]
     if runner.space.size == 1:   # fp32 alone: the signals pruned every lower dtype of every module
         return ("no plan to try but fp32: every module's lower dtypes were pruned, as slower than fp32 or as losing "
                 "too much alone (`autotune show` lists each module's figures); only the finalists' whole-model plans, "
@@ -121,13 +132,12 @@ def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
     """Trials Optuna's sampler proposes; a proposal already evaluated costs no eval_fn call, but too many in a row
     (the sampler keeps returning to known plans) end the search too."""
     duplicates = 0
-    while budget.left(runner) and not patience.spent and duplicates < 3 * patience.limit:
-        trial = runner.run_once()
-        runner.refresh()
-        if trial.user_attrs.get("duplicate"):
-            duplicates += 1
-            continue
-        duplicates = 0
+
+    def choose() -> bool:
+        return budget.left(runner) and not patience.spent and duplicates < 3 * patience.limit
+
+    while trial := runner.start_next(choose):
+        duplicates = duplicates + 1 if trial.user_attrs.get("duplicate") else 0
     if duplicates >= 3 * patience.limit:
         return f"the sampler proposed {duplicates} evaluated plans in a row"
     return budget.spent(runner) or patience.reason()

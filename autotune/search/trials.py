@@ -14,7 +14,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,8 @@ EvalFn = Callable[[nn.Module], Any]
 # Optuna's callback interface: called with (study, finished trial) after every trial this process runs.
 TrialCallback = Callable[[optuna.Study, FrozenTrial], None]
 CLAIM_POLL_S = 0.5
-TURN_POLL_S = 0.05    # a turn is held for one read of the study and one write
+TURN_POLL_S = 0.05    # a turn is held for one read of the study and a few writes
+QUEUE_TURN = "queue"  # held to choose, queue and start a trial
 
 
 class TrialFailed(Exception):
@@ -120,6 +121,7 @@ class TrialRunner:
         self.eval_calls = 0
         self._last: FrozenTrial | None = None
         self._running: tuple[int, str | None] | None = None   # (number, plan key) of the trial the objective runs
+        self._end_turn: Callable[[], None] | None = None      # releases the turn start_next holds
         self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     @property
@@ -169,6 +171,8 @@ class TrialRunner:
             fail_stale_trials(self.study, self.config.grace_period)
 
     def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        if self._end_turn is not None:
+            self._end_turn()
         self._running = (trial.number, None)
         trial.set_user_attr(RUNNER_ATTR, f"{self._token}:{trial.number}")
         unit_plan = {unit: trial.suggest_categorical(unit, options) for unit, options in self.space.choices.items()}
@@ -278,30 +282,24 @@ class TrialRunner:
                     "process found is dropped", number)
         return lost
 
-    def run_plan(self, unit_plan: Plan, source: str) -> Outcome | None:
-        """The outcome of `unit_plan`, evaluating it only if no trial has it yet; None if its trial failed.
+    def start_next(self, choose: Callable[[], bool] = lambda: True, queued_only: bool = False) -> FrozenTrial | None:
+        """Runs the next trial if `choose`, asked after a fresh read of the study, lets one start (it may queue a
+        plan first): the oldest queued trial, else, unless `queued_only`, one the sampler proposes. Returns it as
+        it finished, or None where none started.
 
-        Queued trials run in order (plans re-queued after a crash first), so this may run others before ours;
-        while another process runs ours, this waits for its result.
-        """
-        key = plan_key(self.space.expand(unit_plan))
-        queued = False
-        while True:
-            view = self.refresh()
-            if key in self.outcomes or key in self.failed:
-                return self.outcomes.get(key)
-            if not queued:
-                if key not in view.taken:   # else queued already: by a process killed before it ran it, or the
-                    self.queue(unit_plan, source)   # retry of a dead trial; a second would only repeat its answer
-                queued = True
-                continue   # read again: another worker may take the queued trial before we do
-            if view.waiting:
-                self.run_once()
-                continue
-            # Our plan's trial is running elsewhere, or died: wait, then queue it again if nobody holds it.
-            time.sleep(CLAIM_POLL_S)
-            fail_stale_trials(self.study, self.config.grace_period)
-            queued = self.held_elsewhere(key)
+        The study's turn is held from that read until the trial exists, so two workers cannot both start the
+        budget's last trial (a study of 12 ended with 13), nor both take one queued plan (the second would start
+        a sampled plan in its place)."""
+        with ExitStack() as turn:
+            turn.enter_context(self.turn(QUEUE_TURN))
+            self._end_turn = turn.close    # the objective ends it first thing: the trial exists by then
+            try:
+                self.refresh()
+                if not choose() or (queued_only and not self.refresh().waiting):
+                    return None
+                return self.run_once()
+            finally:
+                self._end_turn = None
 
     def queue(self, unit_plan: Plan, source: str) -> None:
         """Queues `unit_plan` as a trial; until it ends, every worker's `status_of` sees it running."""
@@ -331,11 +329,6 @@ class TrialRunner:
         return lease(self.claims.storage, self.study.study_name, name, ttl_s=self.config.grace_period,
                      poll_s=TURN_POLL_S)
 
-    def held_elsewhere(self, key: str) -> bool:
-        """Whether a running trial has claimed plan `key`, asked of the claims, not of the study's trials."""
-        holder = self.claims.holder(key)
-        return holder is not None and self.claims.state_of(holder) == TrialState.RUNNING
-
     def run_the_rest(self, should_stop: Callable[[], str | None] | None = None) -> None:
         """Runs what is queued, and waits out the trials other processes are running, so that no trial is left
         behind and the winner is chosen from all of them: a live one ends; a dead one is failed by the heartbeat
@@ -346,12 +339,9 @@ class TrialRunner:
             # Asked first: a queued trial ran after the job was cancelled.
             if should_stop is not None and should_stop():
                 return
-            view = self.refresh()
-            if view.waiting:
-                self.run_once()
-            elif not view.running:
-                return
-            else:
+            if self.start_next(queued_only=True) is None:
+                if not self.in_flight:    # as of start_next's last read: nothing queued, nothing running
+                    return
                 time.sleep(CLAIM_POLL_S)
 
     def refresh(self) -> studies.TrialsView:
@@ -366,6 +356,7 @@ class TrialRunner:
         self.taken = view.taken
         self.evaluated = view.evaluated
         self.in_flight = view.waiting + view.running
+        self.waiting = view.waiting
         self.stale = view.stale
         self.unguided_in_flight = view.unguided_in_flight
         self.longest_trial_s = view.longest_trial_s
