@@ -18,6 +18,7 @@ from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+import optuna
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
@@ -138,8 +139,8 @@ class Worker:
                 self._already_tuned(job, runner.study.study_name, best)
             else:
                 self._finish(job, runner, started)
-        elif state == CANCELLED:    # show, export and report say so, not that the tuning has not finished
-            studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
+        elif state == CANCELLED:
+            _mark_cancelled(job, runner.study)
 
     def _wait_if_lost(self, exc: Exception) -> None:
         """Returns once the database answers again where `exc` came of losing it; else raises `exc`."""
@@ -177,7 +178,7 @@ class Worker:
             log.warning("job %d ended %s while this worker verified its winner: that result is dropped", job.id,
                         state)
             if state == CANCELLED:
-                studies.set_attr(runner.study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
+                _mark_cancelled(job, runner.study)
 
     def _already_tuned(self, job: Job, study_name: str, best: dict) -> None:
         """Ends a job whose study had its answer recorded before this job searched (the same config submitted
@@ -192,3 +193,8 @@ class Worker:
     def _fail(self, job: Job, reason: str) -> None:
         if self.queue.end(job.id, FAILED, reason):
             log.warning("job %d failed: %s", job.id, reason)
+
+
+def _mark_cancelled(job: Job, study: optuna.Study) -> None:
+    """Tells show, export and report the study's tuning was cancelled, not that it has not finished yet."""
+    studies.set_attr(study, studies.CANCELLED_ATTR, f"job {job.id} tuning it was cancelled")
