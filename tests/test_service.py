@@ -318,7 +318,8 @@ def test_the_trials_left_to_run_after_a_search_start_none_once_the_job_is_cancel
 
     from autotune.search.trials import TrialRunner
     ran = []
-    runner = SimpleNamespace(study=optuna.create_study(), config=SimpleNamespace(grace_period=30), in_flight=1,
+    runner = SimpleNamespace(study=optuna.create_study(), config=SimpleNamespace(grace_period=30),
+                             refresh=lambda: SimpleNamespace(waiting=1 - len(ran), running=0),
                              start_next=lambda queued_only: ran.append(1))
     TrialRunner.run_the_rest(runner, should_stop=lambda: "the job was cancelled")
     assert ran == []

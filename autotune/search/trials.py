@@ -339,9 +339,12 @@ class TrialRunner:
             # Asked first: a queued trial ran after the job was cancelled.
             if should_stop is not None and should_stop():
                 return
-            if self.start_next(queued_only=True) is None:
-                if not self.in_flight:    # as of start_next's last read: nothing queued, nothing running
-                    return
+            view = self.refresh()     # read without the turn: workers still searching need it to start trials
+            if view.waiting:
+                self.start_next(queued_only=True)
+            elif not view.running:
+                return
+            else:
                 time.sleep(CLAIM_POLL_S)
 
     def refresh(self) -> studies.TrialsView:
