@@ -131,12 +131,33 @@ class CastsToItsWeights(nn.Module):
         return self.wo(torch.relu(self.wi(x.to(self.wi.weight.dtype)))).float()
 
 
-def test_a_model_handed_over_in_bf16_is_summarised_in_bf16(storage):
-    """Its plan's "fp32" keeps a module as given, in bf16: the summary says so rather than "fp32"."""
-    result, _ = tune(CastsToItsWeights().to(torch.bfloat16), storage, ["int8", "bf16", "fp32"])
+def test_a_model_handed_over_in_bf16_is_summarised_and_shown_in_bf16(storage):
+    """Its plan's "fp32" keeps a module as given, in bf16: the summary, `show` and the report say so rather than
+    "fp32" (show said fp32×2 where the summary said bf16×2). A cast to bf16 is no candidate there: it is the
+    module as it is, plus a wrapper, and a trial spent on it measures nothing new."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    from autotune.report import html_report
+    result, _ = tune(CastsToItsWeights().to(torch.bfloat16), storage, ["int8", "bf16", "fp16", "fp32"])
     summary = result.summary()
     assert result.held == "bf16" and "bf16 baseline" in summary and "fp32" not in summary
-    assert "plan bf16×" in summary
+    tried = {dtype for trial in result.study.trials for dtype in trial.params.values()}
+    assert "bf16" not in tried and "fp16" in tried, tried
+    # Nothing lowered within a tolerance of 0: both modules stay as handed over, and are shown so.
+    model = CastsToItsWeights().to(torch.bfloat16).eval()
+    reference = model(X)
+    kept = autotune(model, TuningConfig(
+        engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp16", "fp32"]), tolerable_loss=0.0,
+        max_trials=3, repeats=3, storage=storage, study_name="kept"), lambda net: float(torch.equal(net(X), reference)),
+        example_inputs=X, measurer=RealErrors(["wi", "wo"]))
+    assert set(kept.plan.values()) == {"fp32"}
+    shown = CliRunner().invoke(main, ["show", "kept", "--storage", storage])
+    assert shown.exit_code == 0, shown.output
+    best = shown.output.split("baseline accuracy")[1]
+    assert "bf16×2" in best and "fp32" not in best, best
+    page = html_report(kept.study)     # ASCII: × is &#215;
+    assert "bf16&#215;2" in page and "fp32&#215;" not in page and "<td>wi</td><td>bf16</td>" in page
 
 
 def test_int8_modules_of_a_bf16_model_read_as_bf16():

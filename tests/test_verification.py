@@ -364,7 +364,7 @@ def test_where_no_plan_passes_the_warning_says_the_least_loss_and_whether_losses
 
     result = autotune(model, config, eval_fn, torch.randn(2, 8), measurer=ScriptedMeasurer())
     assert set(result.plan.values()) == {"fp32"}
-    [warning] = [r.getMessage() for r in caplog.records if "keeping fp32 eager" in r.getMessage()]
+    [warning] = [r.getMessage() for r in caplog.records if "(fp32 eager); keeping it" in r.getMessage()]
     assert f"every plan tried lost at least 0.05 where {tolerable:g} is tolerable" in warning
     assert ("whole multiple of 0.05" in warning) == blamed
 

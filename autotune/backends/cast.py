@@ -94,7 +94,9 @@ class CastConfig(Technique):
         return HALF_NAMES[self.dtype]
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        if not any(p.is_floating_point() for p in module.parameters()):
+        # A module handed over in this dtype already is what its "fp32" (kept as it is) runs: casting to it would
+        # only add the wrapper, a trial spent on the same model.
+        if _parameters_dtype(module) in (None, self.dtype):
             return False
         if device.type == "cuda" and self.dtype == torch.bfloat16:
             return torch.cuda.is_bf16_supported()

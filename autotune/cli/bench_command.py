@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 import torch
 
+from autotune.backends import held_dtype
 from autotune.cli.base import CliError, main
 from autotune.cli.study_commands import apply_saved_plan
 from autotune.config import LatencyInput, load_config
@@ -57,7 +58,7 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
     except RuntimeError as exc:     # e.g. a factory's inputs the model cannot take
         raise CliError(f"timing failed: {type(exc).__name__}: {exc}") from None
     threads = tuning.num_threads or torch.get_num_threads()
-    label = f"{type(applied.fp32).__name__} {summarize(applied.plan)}"
+    label = f"{type(applied.fp32).__name__} {summarize(applied.plan, held_dtype(applied.fp32))}"
     compare = torch.utils.benchmark.Compare([stats.measurement(label, shape, name, threads)
                                              for shape, by_model in timing.items()
                                              for name, stats in by_model.items()])

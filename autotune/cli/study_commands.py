@@ -18,6 +18,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
+from autotune.backends import held_dtype
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
     QUIET_INTERRUPT,
@@ -171,6 +172,7 @@ def show(study_name: str, storage: str) -> None:
     by_shape = len(shapes) > 1
     rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", *(["by shape"] if by_shape else []),
              "result"]]
+    kept = studies.kept_dtype(study)     # a plan's "fp32" keeps a module in the dtype it was handed over in
     for trial in study.trials:
         attrs = trial.user_attrs
         if attrs.get("duplicate"):
@@ -180,8 +182,8 @@ def show(study_name: str, storage: str) -> None:
         else:
             outcome = trial.state.name.lower()
         plan = studies.trial_plan(trial)
-        rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-", summarize(plan),
-                     formatted(attrs.get("accuracy")), _ratio(trial),
+        rows.append([str(trial.number), attrs.get("source", "sampler"), plan_id(plan) if plan else "-",
+                     summarize(plan, kept), formatted(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
@@ -191,12 +193,12 @@ def show(study_name: str, storage: str) -> None:
         click.echo(f"no best plan recorded yet ({studies.why_no_best(study)})")
         return
     click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
-               f"{summarize(best['plan'])}{_runs_as(best)}")
+               f"{summarize(best['plan'], kept)}{_runs_as(best)}")
     if by_shape:
         click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())
                    + "; best speedup by shape: " + ", ".join(f"{name} {speedup:.2f}x" for name, speedup
                                                             in best.get("speedup_by_shape", {}).items()))
-    click.echo(table([["module", "dtype"], *([n, d] for n, d in best["plan"].items())]))
+    click.echo(table([["module", "dtype"], *([n, kept if d == "fp32" else d] for n, d in best["plan"].items())]))
 
 
 def _runs_as(best: dict) -> str:
@@ -309,8 +311,9 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
                        + (NAMEDTUPLE_HINT if "namedtuple" in str(exc) else "")) from None
     partial.replace(out)
     knobs = f" with {', '.join(applied.knobs)}" if applied.knobs else ""
-    click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {summarize(applied.plan)} in the {applied.engine} "
-               f"engine{knobs}; load it with {loads_with}")
+    plan = summarize(applied.plan, held_dtype(applied.fp32))
+    click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {plan} in the {applied.engine} engine{knobs}; load it "
+               f"with {loads_with}")
 
 
 NAMEDTUPLE_HINT = ("; torch.export cannot write a graph whose output is a namedtuple of the model's own: a forward "

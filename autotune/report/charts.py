@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from autotune.backends import dtype_names
-from autotune.plan import Plan, is_baseline, plan_id, summarize
+from autotune.plan import Plan, is_baseline, plan_id
 from autotune.report.rows import Chosen, Row, pareto_front, trial_speedups
 
 LABEL_LIMIT = 40     # more points than this: only the Pareto front and the chosen plan are numbered on the plot
@@ -68,7 +68,7 @@ def _mark_chosen(ax, chosen: Chosen) -> None:
         ax.annotate("", (x, y), xytext=(trial.speedup, trial.accuracy),
                     arrowprops=dict(arrowstyle="->", color="#b08500", lw=1.2, ls=":"), zorder=4)
     name = (f"#{trial.number} {plan_id(chosen.plan)}" if trial is not None
-            else "fp32 baseline" if is_baseline(chosen.plan) else f"{summarize(chosen.plan)} (no trial)")
+            else f"{chosen.kept} baseline" if is_baseline(chosen.plan) else f"{chosen.summary} (no trial)")
     (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
     on_left = x > left + 0.6 * (right - left)    # the label goes toward the middle of the plot, off the edges
     below = y > bottom + 0.5 * (top - bottom)

@@ -15,7 +15,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from autotune.plan import Plan, is_baseline, plan_id, summarize
+from autotune.plan import Plan, is_baseline, plan_id
 from autotune.report.charts import (
     LABEL_LIMIT,
     accuracy_latency_chart,
@@ -64,7 +64,7 @@ def trials_section(rows: list[Row]) -> str:
         ratio = f"{row.ratio:.3f} ({row.speedup:.2f}x)" if row.ratio else "-"
         if row.ratio and row.latency_ms is None and row.error is None:
             ratio += " predicted"
-        body.append([row.number, _plan_code(row.plan), summarize(row.plan), row.source, formatted(row.accuracy),
+        body.append([row.number, _plan_code(row.plan), row.summary, row.source, formatted(row.accuracy),
                      formatted(row.loss), ratio, timing, (result,),
                      ("<strong>&#9733; chosen</strong>",) if row.chosen else ""])
         classes.append(f' id="trial-{row.number}"' + (' class="chosen"' if row.chosen else ""))
@@ -76,18 +76,19 @@ def trials_section(rows: list[Row]) -> str:
             + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
 
 
-def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "fp32", why_none: str = "") -> str:
-    """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. `held`: the dtype
-    the model was handed over in (a plan's "fp32" keeps a module in it); `why_none`: why there is no chosen plan."""
+def chosen_section(chosen: Chosen | None, baseline: float | None, why_none: str = "") -> str:
+    """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. The baseline is
+    the model in the dtype it was handed over in (`chosen.kept`); `why_none`: why there is no chosen plan."""
     if chosen is None:
         return f"<h2 id='chosen'>Baseline vs best</h2><p>No best plan recorded yet: {html.escape(why_none)}.</p>"
+    held = chosen.kept
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
-              else "the fp32 model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
+              else f"the {held} model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
     rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
             [f"speedup vs the {held} baseline", "1.00x",
              f"{speedup_text(chosen.speedup, chosen.noise, chosen.busy)} (re-timed)"],
-            ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(summarize(chosen.plan, held))}",)],
+            ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(chosen.summary)}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:
         rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
@@ -97,7 +98,8 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, held: str = "f
                "timed again together with fp32 and the fastest was re-evaluated. Its speedup here is from that "
                "re-timing, so it can differ from the single timing its trial took.")
     if is_baseline(chosen.plan):
-        caption = "No lowered plan both met the tolerance and ran faster than fp32 when re-timed: fp32 is kept."
+        caption = (f"No lowered plan both met the tolerance and ran faster than {held} when re-timed: the model is "
+                   f"kept as handed over, in {held}.")
     return ("<h2 id='chosen'>Baseline vs best (chosen plan)</h2>"
             + _table(["", f"{held} baseline", "chosen plan"], rows)
             + f"<p class='caption'>{html.escape(caption)}</p>")
@@ -190,7 +192,7 @@ def shapes_section(rows: list[Row], chosen: Chosen | None, weights: dict[str, fl
             t = row.by_shape.get(name)
             cells.append("-" if t is None else f"{t['latency_ms']:.3f} ± {t['latency_spread_ms']:.3f} ms "
                                                f"({t['ratio']:.3f}; fp32 {t['fp32_latency_ms']:.3f})")
-        body.append([(f"<a href='#trial-{row.number}'>#{row.number}</a> {html.escape(summarize(row.plan))}",),
+        body.append([(f"<a href='#trial-{row.number}'>#{row.number}</a> {html.escape(row.summary)}",),
                      *cells, f"{row.ratio:.3f}"])
     caption = ("Latency at every shape the study measures (latency_inputs): each passing trial's plan, median ± "
                "IQR with its ratio to fp32 timed beside it, fastest first by the weighted mean of those ratios "
@@ -214,9 +216,10 @@ def modules_section(sensitivity: dict, latency: dict, chosen: Chosen | None) -> 
     else:
         parts.append("<p>No per-module signals are recorded on this study.</p>")
     if plan:
+        kept = chosen.kept    # what a plan's "fp32" computes in: the dtype the model was handed over in
         parts.append("<h3>Chosen plan per module</h3>" + _table(
-            ["module", "dtype", "output error", "module ms (fp32)", "module ms (chosen dtype)"],
-            [[name, dtype, formatted(sensitivity.get(name, {}).get(dtype), "{:.3g}"),
+            ["module", "dtype", "output error", f"module ms ({kept})", "module ms (chosen dtype)"],
+            [[name, kept if dtype == "fp32" else dtype, formatted(sensitivity.get(name, {}).get(dtype), "{:.3g}"),
               formatted(latency.get(name, {}).get("fp32")), formatted(latency.get(name, {}).get(dtype))]
              for name, dtype in plan.items()]))
     return "".join(parts)
@@ -281,9 +284,8 @@ def html_report(study: optuna.Study) -> str:
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
-    held = studies.get_attr(study, studies.HELD_DTYPE_ATTR) or "fp32"
     parts = [_intro(study, rows, baseline, settings),
-             chosen_section(chosen, baseline, held, studies.why_no_best(study)),
+             chosen_section(chosen, baseline, studies.why_no_best(study)),
              _plot_section(rows, chosen, baseline, settings) if timed else "",
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "",

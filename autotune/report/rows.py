@@ -8,7 +8,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.plan import Plan, plan_key
+from autotune.plan import Plan, plan_key, summarize
 from autotune.result import BUSY_KEY, NOISE_KEY
 from autotune.storage import study as studies
 
@@ -29,6 +29,11 @@ class Row:
     error: str | None            # why the evaluation failed, for a failed trial
     chosen: bool
     by_shape: dict[str, dict[str, float]]   # {shape: ratio, latency_ms, latency_spread_ms, fp32_latency_ms, ...}
+    kept: str = "fp32"           # what the plan's "fp32" computes in: the dtype the model was handed over in
+
+    @property
+    def summary(self) -> str:
+        return summarize(self.plan, self.kept)
 
     @property
     def speedup(self) -> float | None:
@@ -49,6 +54,11 @@ class Chosen:
     extra: dict[str, Any]        # any further keys the tuner stored with it
     noise: float | None = None   # how far off the speedup may be, where its timing was noisy
     busy: bool = False           # timed beside other busy processes: it may be far off
+    kept: str = "fp32"           # what the plan's "fp32" computes in: the dtype the model was handed over in
+
+    @property
+    def summary(self) -> str:
+        return summarize(self.plan, self.kept)
 
 
 def trial_speedups(rows: list[Row]) -> str:
@@ -58,7 +68,7 @@ def trial_speedups(rows: list[Row]) -> str:
     return "in-trial timing" if timed or not any(r.ratio is not None for r in rows) else "predicted"
 
 
-def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str]) -> Row:
+def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str], kept: str) -> Row:
     attrs, plan = trial.user_attrs, studies.trial_plan(trial)
     key = studies.trial_plan_key(trial)
     complete = trial.state == TrialState.COMPLETE
@@ -69,7 +79,7 @@ def _row(trial: FrozenTrial, chosen_key: str | None, first: set[str]) -> Row:
                attrs.get("accuracy_loss"), trial.values[0] if complete and trial.values else None,
                attrs.get("latency_ms"), attrs.get("latency_spread_ms"), attrs.get("fp32_latency_ms"),
                bool(attrs.get("passed")) and complete, None if complete else str(attrs.get("fail_reason", "failed")),
-               chosen, dict(attrs.get("latency_by_shape") or {}))
+               chosen, dict(attrs.get("latency_by_shape") or {}), kept)
 
 
 def trial_rows(study: optuna.Study) -> tuple[list[Row], Chosen | None]:
@@ -77,13 +87,14 @@ def trial_rows(study: optuna.Study) -> tuple[list[Row], Chosen | None]:
     best = studies.get_attr(study, "best")
     chosen_key = plan_key(best["plan"]) if best else None
     first: set[str] = set()
-    rows = [_row(t, chosen_key, first) for t in sorted(studies.evaluated_trials(study), key=lambda t: t.number)]
+    kept = studies.kept_dtype(study)
+    rows = [_row(t, chosen_key, first, kept) for t in sorted(studies.evaluated_trials(study), key=lambda t: t.number)]
     if not best:
         return rows, None
     trial = next((row for row in rows if row.chosen), None)
     extra = {k: v for k, v in best.items() if k not in ("plan", "accuracy", "speedup", NOISE_KEY, BUSY_KEY)}
     return rows, Chosen(dict(best["plan"]), best["accuracy"], best["speedup"], trial, extra, best.get(NOISE_KEY),
-                        bool(best.get(BUSY_KEY)))
+                        bool(best.get(BUSY_KEY)), kept)
 
 
 def pareto_front(rows: list[Row]) -> list[Row]:

@@ -23,7 +23,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from torch import nn
 
-from autotune.backends.base import CallInputs
+from autotune.backends import CallInputs, held_dtype
 from autotune.config.tuning import TuningConfig
 from autotune.errors import describe
 from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
@@ -108,6 +108,7 @@ class TrialRunner:
                  batches: list[CallInputs] | None = None, shapes: list[Shape] | None = None):
         self.study, self.claims, self.space, self.fp32, self.eval_fn = study, claims, space, fp32, eval_fn
         self.inputs, self.calibration, self.config = inputs, calibration, config
+        self.kept = held_dtype(fp32)    # what a plan's "fp32" computes in: the dtype the model was handed over in
         self._baseline: float | None = None    # the study's, read (or evaluated) when first needed
         self.measurer = measurer
         self.shapes = shapes or [Shape("example", inputs, 1.0)]   # where latency is measured, weighted
@@ -217,15 +218,16 @@ class TrialRunner:
             for name in ("latency_ms", "latency_spread_ms", "fp32_latency_ms", "latency_by_shape"):
                 trial.set_user_attr(name, None)
         outcome = Outcome(ratio, loss, self.config.tolerable_loss)
+        summary = summarize(plan, self.kept)
         for name, value in (("accuracy", accuracy), ("accuracy_loss", loss), ("passed", outcome.passed),
                             ("latency_measured", timed), ("weight_bytes", weight_bytes(tuned)),
-                            ("plan_summary", summarize(plan))):
+                            ("plan_summary", summary)):
             trial.set_user_attr(name, value)
         if self.config.objective == "latency":
             trial.set_constraint("accuracy", outcome.constraint)
         self.outcomes[key] = outcome
         log.info("trial %d [%s] %s: score %.6g (loss %.4g) latency %.2fx fp32%s %s", trial.number,
-                 trial.user_attrs.get("source", "sampler"), summarize(plan), accuracy, loss, outcome.latency_ratio,
+                 trial.user_attrs.get("source", "sampler"), summary, accuracy, loss, outcome.latency_ratio,
                  "" if timed else " (predicted)", "pass" if outcome.passed else "FAIL")
         return self._values(outcome)
 

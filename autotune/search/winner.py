@@ -88,8 +88,8 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
         best = winner
     if best is not None:
         return best
-    log.warning("no plan both met the accuracy requirement and ran faster than fp32 eager; keeping fp32 eager%s",
-                _coarse_losses(runner))
+    log.warning("no plan both met the accuracy requirement and ran faster than the model as handed over (%s eager); "
+                "keeping it%s", runner.kept, _coarse_losses(runner))
     return _fp32_winner(runner, by_shape)
 
 

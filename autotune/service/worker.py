@@ -136,7 +136,7 @@ class Worker:
         state = self.queue.get(job.id).state
         if state in (RUNNING, FINISHING):
             if (best := studies.standing_best(runner.study, tuning)) is not None:
-                self._already_tuned(job, runner.study.study_name, best)
+                self._already_tuned(job, runner.study, best)
             else:
                 self._finish(job, runner, started)
         elif state == CANCELLED:
@@ -170,7 +170,7 @@ class Worker:
             # Another worker finishes it where this one's lease lapsed (a paused process), or it is cancelled:
             # its verified winner is then not recorded over theirs, and the job not said done.
             result = finish(runner, started, still_ours=lambda: self.queue.get(job.id).state == FINISHING)
-            if self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan)}, "
+            if self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan, result.held)}, "
                                             f"{result.trials_evaluated} evaluated trials"):
                 log.info("job %d done: speedup %.2fx", job.id, result.speedup)
                 return
@@ -180,14 +180,15 @@ class Worker:
             if state == CANCELLED:
                 _mark_cancelled(job, runner.study)
 
-    def _already_tuned(self, job: Job, study_name: str, best: dict) -> None:
+    def _already_tuned(self, job: Job, study: optuna.Study, best: dict) -> None:
         """Ends a job whose study had its answer recorded before this job searched (the same config submitted
         again) with that answer: building and timing it anew gave the job a second, different speedup."""
+        study_name = study.study_name
         earlier = [other.id for other in self.queue.of_study(study_name, (DONE,)) if other.id != job.id]
         by = f" by job {earlier[-1]}" if earlier else ""
+        plan = summarize(best["plan"], studies.kept_dtype(study))
         if self.queue.end(job.id, DONE, f"study {study_name} was already tuned{by}: its recorded best is kept, "
-                                        f"speedup {best_speedup(best)}, {summarize(best['plan'])}; a larger "
-                                        f"max_trials searches further"):
+                                        f"speedup {best_speedup(best)}, {plan}; a larger max_trials searches further"):
             log.info("job %d: study %s was already tuned%s; its recorded best is kept", job.id, study_name, by)
 
     def _fail(self, job: Job, reason: str) -> None:

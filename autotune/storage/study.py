@@ -171,6 +171,11 @@ def get_attr(study: optuna.Study, key: str) -> Any:
     return study.user_attrs.get(ATTR_PREFIX + key)
 
 
+def kept_dtype(study: optuna.Study) -> str:
+    """What a plan's "fp32" (a module kept as it is) computes in: the dtype the study's model was handed over in."""
+    return get_attr(study, HELD_DTYPE_ATTR) or "fp32"
+
+
 def set_attr(study: optuna.Study, key: str, value: Any) -> None:
     study.set_user_attr(ATTR_PREFIX + key, value)
 
