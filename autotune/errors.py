@@ -16,8 +16,10 @@ def masked(text: str) -> str:
 
 
 def unencoded_at(url: str) -> bool:
-    """Whether `url` holds a password with a raw "@": SQLAlchemy then reads what follows its first "@" as the host."""
-    return url.partition("://")[2].count("@") > 1
+    """Whether `url` holds a password with a raw "@": SQLAlchemy then reads what follows its first "@" as the host.
+    An SQLite URL holds a file's path, which may have any number of them."""
+    scheme, _, rest = url.partition("://")
+    return not scheme.startswith("sqlite") and rest.count("@") > 1
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:

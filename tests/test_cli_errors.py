@@ -87,12 +87,18 @@ def test_a_storage_url_that_does_not_parse(tmp_path):
     assert "secret" not in port.output
 
 
-def test_a_password_with_a_raw_at_sign_is_masked_whole_and_said_to_need_encoding():
-    """The part after the password's '@' was read as the host and printed ('***@ss/w%3Ard...'), with no hint."""
-    result = run("list", "--storage", "postgresql+psycopg://team2:p@ss/w:rd#1@127.0.0.1:1/studies")
-    assert_one_error_line(result, 2, "postgresql+psycopg://team2:***@127.0.0.1:1/studies",
-                          "must be percent-encoded (@ as %40")
-    assert "ss/w" not in result.output and "rd#1" not in result.output
+@pytest.mark.parametrize(("password", "host"), [("p@ss/w:rd#1", "127.0.0.1:1"), ("hunter@2secret", "127.0.0.1:5432")])
+def test_a_password_with_a_raw_at_sign_is_masked_whole_and_said_to_need_encoding(tmp_path, password, host):
+    """The part after the password's '@' was read as the host and printed ('***@ss/w%3Ard...'), with no hint; or
+    the driver's own error named it ("failed to resolve host '2secret@127.0.0.1'"), and a worker logged that every
+    10 s, waiting for a server that would never answer such a URL."""
+    url = f"postgresql+psycopg://team2:{password}@{host}/studies"
+    for command in (["list", "--storage", url], ["worker", "--exit-when-idle"]):
+        (tmp_path / "url").write_text(url)
+        result = run(*command, env={**os.environ, "AUTOTUNE_STORAGE_FILE": str(tmp_path / "url")})
+        assert_one_error_line(result, 2, f"postgresql+psycopg://team2:***@{host}/studies",
+                              "must be percent-encoded (@ as %40")
+        assert password.split("@", 1)[1] not in result.output, result.output
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])

@@ -309,11 +309,13 @@ class NotAPort(ValueError):
 
 def _parsed(url: str) -> None:
     """Raises ArgumentError, or NotAPort, where `url` is no database URL; StorageError where it is an in-memory
-    SQLite database (`sqlite://`), which keeps nothing."""
+    SQLite database (`sqlite://`), which keeps nothing, or holds a password with a raw "@"."""
     try:
         parsed = sqlalchemy.engine.make_url(url)
     except ValueError as exc:   # SQLAlchemy's int() of the port ("host:1:2"); its ArgumentError is no ValueError
         raise NotAPort(str(exc)) from None
+    if unencoded_at(url):   # refused before connecting: the driver's error would name the password's tail as a host
+        raise StorageError(f"cannot use the study storage {shown(url)}{UNENCODED_AT}")
     if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         raise StorageError(f"{url!r} is an in-memory SQLite database, which keeps no study: each connection gets "
                            "an empty one of its own; name a file, e.g. sqlite:///studies/autotune.db")
