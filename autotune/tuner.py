@@ -153,7 +153,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     run_fn = None if run_fn is None else _taking_the_model_alone(run_fn, run_args, "run_fn")
     if run_fn is None and run_args is not None:
         raise EvalFunctionError("run_args were given without run_fn, the function they are passed to")
-    device = torch.device(config.device)
+    device = _usable(torch.device(config.device))
     if (inner := uncompiled(model)) is not model:
         log.info("the model holds torch.compile wrappers: the modules they compile are tuned (module names without "
                  "their _orig_mod), and the compiling engines compile the finalists")
@@ -230,6 +230,23 @@ class _Setup:
     latency: dict[str, dict[str, float]]
 
 
+def _usable(device: torch.device) -> torch.device:
+    """`device`, where this process can run on it; else a ConfigError saying why (torch's own was an
+    AssertionError from deep in Module.to: "Torch not compiled with CUDA enabled")."""
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        why = ("this torch was built without CUDA (a CPU wheel): install a CUDA build of torch, or tune on the CPU"
+               if torch.version.cuda is None else "no CUDA GPU is visible to this process (drivers, "
+               "CUDA_VISIBLE_DEVICES, or docker run without --gpus)")
+    elif device.index is not None and device.index >= torch.cuda.device_count():
+        why = f"this process sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0"
+    else:
+        return device
+    message = f"device {str(device)!r} cannot be used here: {why}"
+    raise ConfigError(message, [("tuning.device", message)])
+
+
 def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """The copy of the user's model that the tuner calls, lowers and returns: in eval mode, since inference is what
     is tuned and timed (a model handed over in training mode is said to be), on `device`. Raises ConfigError where
@@ -239,13 +256,21 @@ def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
                    "model.load_state_dict(state, assign=True), or from_pretrained without device_map='meta')")
         raise ConfigError(message, [("model", message)])
     if any(module.training for module in model.modules()):
-        log.warning("the model is in training mode (dropout on, batch norm updating its statistics): it is evaluated, "
-                    "tuned and returned in eval mode; call model.eval() on yours to compare")
+        log.warning("the model is in training mode%s: it is evaluated, tuned and returned in eval mode; call "
+                    "model.eval() on yours to compare", _what_training_changes(model))
     fp32 = clone(model).eval()
     if any(tensor.device != device for tensor in itertools.chain(fp32.parameters(), fp32.buffers())):
         # Only then: `.to` reads every parameter's .grad, which warns on a torch.jit.script submodule's copy.
         fp32 = fp32.to(device)
     return fp32
+
+
+def _what_training_changes(model: nn.Module) -> str:
+    """" (dropout on, batch norm updating its statistics)", naming only what the model holds."""
+    kinds = [(nn.modules.dropout._DropoutNd, "dropout on"), (nn.modules.batchnorm._BatchNorm,
+                                                               "batch norm updating its statistics")]
+    held = [words for kind, words in kinds if any(isinstance(m, kind) for m in model.modules())]
+    return f" ({', '.join(held)})" if held else ""
 
 
 def _measured(study) -> bool:

@@ -86,7 +86,7 @@ def test_a_model_in_training_mode_is_tuned_in_eval_mode_and_the_user_is_told(sto
     with caplog.at_level(logging.WARNING, logger="autotune"):
         result = autotune(model, TuningConfig(storage=storage, engines=["eager"], max_trials=3, repeats=3), eval_fn,
                           example_inputs=INPUTS[:64])
-    assert "the model is in training mode" in caplog.text and "returned in eval mode" in caplog.text
+    assert "the model is in training mode (dropout on):" in caplog.text and "returned in eval mode" in caplog.text
     assert modes and not any(modes)   # every evaluation saw the model in eval mode
     assert not result.model.training and model.training   # the user's model keeps its mode and weights
     assert_state_equal(model, before)
