@@ -31,6 +31,7 @@ from autotune.discovery import (
     unlowerable,
     untuned_weights,
 )
+from autotune.engines.knobs import BATCH_NORMS
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError, describe
 from autotune.measure.allocator import allocation_while_timing
@@ -267,8 +268,8 @@ def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _what_training_changes(model: nn.Module) -> str:
     """" (dropout on, batch norm updating its statistics)", naming only what the model holds."""
-    kinds = [(nn.modules.dropout._DropoutNd, "dropout on"), (nn.modules.batchnorm._BatchNorm,
-                                                               "batch norm updating its statistics")]
+    kinds = [((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
+              "dropout on"), (BATCH_NORMS, "batch norm updating its statistics")]
     held = [words for kind, words in kinds if any(isinstance(m, kind) for m in model.modules())]
     return f" ({', '.join(held)})" if held else ""
 
