@@ -58,17 +58,36 @@ class StaticInt8Conv2d(PackedInt8):
         return f"{self.summary}, int8 static"
 
 
+def conv1d_as_conv2d(conv: nn.Conv1d) -> nn.Conv2d:
+    """The Conv2d of height 1 that `conv` equals over (N, C, 1, L), on its weights (zero padding as numbers)."""
+    as_2d = nn.Conv2d(conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]), (1, conv.stride[0]),
+                      (0, explicit_padding(conv)[0]), (1, conv.dilation[0]), conv.groups, conv.bias is not None,
+                      device="meta")
+    as_2d.weight = nn.Parameter(conv.weight.detach().unsqueeze(2), requires_grad=False)
+    if conv.bias is not None:
+        as_2d.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+    return as_2d
+
+
+class Conv1dAsConv2d(nn.Module):
+    """An nn.Conv1d computed as the Conv2d of height 1 it equals (conv1d_as_conv2d), in fp32: torchao's x86
+    quantizer annotates a conv2d alone or with what follows it, a conv1d only where an nn.ReLU module follows."""
+
+    def __init__(self, conv: nn.Conv1d):
+        super().__init__()
+        self.conv = conv1d_as_conv2d(conv)
+        for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
+            setattr(self, name, getattr(conv, name))     # the Conv1d's own, as parents read them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.unsqueeze(-2)).squeeze(-2)
+
+
 class StaticInt8Conv1d(StaticInt8Conv2d):
     """Conv1d with int8 weights and calibrated int8 activations, run as a Conv2d over (N, C, 1, L)."""
 
     def __init__(self, conv: nn.Conv1d, calibration: CallInputs, reduce_range: bool, engine: str):
-        as_2d = nn.Conv2d(conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]), (1, conv.stride[0]),
-                          (0, explicit_padding(conv)[0]), (1, conv.dilation[0]), conv.groups, conv.bias is not None,
-                          device="meta")
-        as_2d.weight = nn.Parameter(conv.weight.detach().unsqueeze(2), requires_grad=False)
-        if conv.bias is not None:
-            as_2d.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
-        super().__init__(as_2d, ((calibration[0][0].unsqueeze(-2),), {}), reduce_range, engine)
+        super().__init__(conv1d_as_conv2d(conv), ((calibration[0][0].unsqueeze(-2),), {}), reduce_range, engine)
         self.summary = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}"
         for name in ("kernel_size", "stride", "padding", "dilation"):
             setattr(self, name, getattr(conv, name))     # the Conv1d's own, as parents read them
