@@ -5,10 +5,12 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
 from autotune.backends import CallInputs, dtype_names, dtype_of, get_backend
+from autotune.capture import as_call_inputs, record_module_inputs
 from autotune.clone import clone
 from autotune.errors import PlanError
 from autotune.fused_paths import calls_children_as_modules
@@ -87,7 +89,7 @@ def lower_module(module: nn.Module, dtype: str, calibration: CallInputs | None) 
 
 
 def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] | None = None,
-               variants: dict[tuple[str, str], nn.Module] | None = None) -> nn.Module:
+               variants: dict[tuple[str, str], nn.Module] | None = None, *, example_inputs: Any = None) -> nn.Module:
     """A copy of `model` with each module of `plan` in its dtype; `model` is left as it was.
 
     The lowered modules are handed to the copy as the copies of the modules they replace, so the fp32 weights of
@@ -99,20 +101,27 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
         calibration: {module name: the inputs it was called with}, for techniques that calibrate (static int8).
         variants: kept across calls, holds each (module, dtype) lowered once; a plan gets deep copies of them
             (int8 copies share their packed weights, which nothing changes in place).
+        example_inputs: inputs for one call of `model` (a tensor, a tuple, a dict of keyword arguments or an
+            (args, kwargs) pair, as `autotune` takes them): the plan's lowered modules not in `calibration` are
+            calibrated on what they were called with there.
     Returns:
         The new model, in eval mode.
     Raises:
         PlanError: the plan names a module the model lacks, or a dtype no technique takes the module in.
         KeyError: the plan names a dtype no technique is registered under.
     """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    if missing := [name for name in plan if name not in modules]:
+        raise PlanError(f"plan names module {missing[0]!r}, which {type(model).__name__} does not have")
+    if example_inputs is not None:
+        uncalibrated = [name for name, dtype in plan.items() if dtype != "fp32" and name not in (calibration or {})]
+        calibration = {**record_module_inputs(model, uncalibrated, as_call_inputs(example_inputs)),
+                       **(calibration or {})}
     lowered: dict[int, nn.Module] = {}
     for name, dtype in plan.items():
         if dtype == "fp32":
             continue
-        try:
-            original = model.get_submodule(name)
-        except AttributeError:
-            raise PlanError(f"plan names module {name!r}, which {type(model).__name__} does not have") from None
+        original = modules[name]
         if variants is None:
             lowered[id(original)] = lower_module(original, dtype, (calibration or {}).get(name))
             continue

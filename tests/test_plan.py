@@ -27,6 +27,22 @@ def test_plan_naming_a_missing_module_is_an_error():
         apply_plan(nn.Sequential(nn.Linear(2, 2)), {"decoder": "int8"})
 
 
+def test_a_plan_with_calibrated_int8_is_applied_on_example_inputs_and_says_so_without_them():
+    """The README's `autotune.apply_plan(model, plan)` failed for an int8 Conv2d ("needs the inputs the module saw")
+    with no word of how to give them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).eval()
+    x = torch.randn(4, 3, 8, 8)
+    plan = {"0": "int8", "3": "int8"}
+    with pytest.raises(ValueError, match=r"int8 Conv2d needs the inputs .* apply_plan\(model, plan, example_inputs="):
+        apply_plan(model, plan)
+    tuned = apply_plan(model, plan, example_inputs=x)
+    assert plan_of(tuned, plan) == plan
+    with torch.no_grad():
+        assert ((tuned(x) - model(x)).norm() / model(x).norm()).item() < 0.05
+    assert torch.equal(apply_plan(model, plan, example_inputs=(x,))(x), tuned(x))   # a tuple: the same call
+
+
 def test_validate_plan_reports_unknown_modules_and_disallowed_dtypes():
     candidates = {"a": ["int8", "fp32"], "b": ["fp32"]}
     with pytest.raises(PlanError, match=r"not tunable in this model: \['zzz'\]"):

@@ -117,7 +117,8 @@ class Int8StaticConv2dConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         if calibration is None:
-            raise ValueError(f"int8 {self.takes.__name__} needs the inputs the module saw, for calibration")
+            raise ValueError(f"int8 {self.takes.__name__} needs the inputs the module saw, for calibration: pass "
+                             "apply_plan(model, plan, example_inputs=...) inputs for one call of the model")
         return self.builds(module, calibration, resolve_reduce_range(self.reduce_range), self.engine)
 
 
