@@ -171,6 +171,9 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     log.info("%s", allocation)
     studies.set_attr(study, "settings", run_settings(config, device, allocation))
     studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
+    if config.latency_inputs and not any(callable(entry.factory) for entry in config.latency_inputs):
+        studies.set_attr(study, studies.LATENCY_INPUTS_ATTR,   # for export, and bench where it names none
+                         [entry.model_dump(exclude_defaults=True) for entry in config.latency_inputs])
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 

@@ -212,3 +212,24 @@ def test_show_and_report_give_every_shapes_ratio(tmp_path):
     html = page.read_text()
     assert "Latency by shape" in html and "batch 64 (weight 0.9)" in html
     assert f"({ratios['batch 64']['ratio']:.3f}; fp32" in html
+
+
+def test_export_writes_the_configs_shapes_for_bench_and_none_where_a_factory_is_a_callable(tmp_path):
+    """`export` wrote only the calls a generation was timed at: a study tuned at batches 1 and 64 exported a plan
+    that `bench` timed at the captured batch alone."""
+    import json
+
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    storage = f"sqlite:///{tmp_path}/shapes.db"
+    tune(tmp_path, (0.8, 0.2), study_name="written")
+    exported = CliRunner().invoke(main, ["export", "written", "--storage", storage])
+    assert exported.exit_code == 0, exported.output
+    assert json.loads(exported.output)["latency_inputs"] == [{"batch": 1, "weight": 0.8}, {"batch": 64, "weight": 0.2}]
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), max_trials=2,
+                          storage=storage, study_name="callable",
+                          latency_inputs=[LatencyInput(factory=lambda: torch.randn(4, WIDTH))])
+    autotune(model(), config, eval_fn, measurer=ShapeCostMeasurer())
+    exported = CliRunner().invoke(main, ["export", "callable", "--storage", storage])
+    assert exported.exit_code == 0 and "latency_inputs" not in json.loads(exported.output)

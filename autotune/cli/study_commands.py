@@ -242,8 +242,9 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
             data[doubt] = best[doubt]
     if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
-    if timed_calls := studies.get_attr(study, TIMED_CALLS_ATTR):   # for `bench`, which times what tuning timed
-        data["latency_inputs"] = timed_calls
+    # For `bench`, which times what tuning timed: the config's shapes, or the calls a generation was timed at.
+    if timed := studies.get_attr(study, studies.LATENCY_INPUTS_ATTR) or studies.get_attr(study, TIMED_CALLS_ATTR):
+        data["latency_inputs"] = timed
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:

@@ -35,6 +35,7 @@ BASELINE_EVAL_S_ATTR = "baseline_eval_s"   # the seconds its eval_fn call took: 
 BEST_RECORDED_WITH = "recorded_with"   # in `best`: the study's evaluated trials, the engines and knobs configured
 
 HELD_DTYPE_ATTR = "held_dtype"          # the dtype the model was handed over in: what its plans' "fp32" keeps
+LATENCY_INPUTS_ATTR = "latency_inputs"  # the config's latency_inputs, where each is written down (no callable)
 log = logging.getLogger("autotune")
 
 
