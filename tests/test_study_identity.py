@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulator import SimWorkload  # noqa: E402
 
 
-def tune(sim, model, storage, study_name=None, tolerable_loss=0.01, eval_fn=None):
-    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+def tune(sim, model, storage, study_name=None, tolerable_loss=0.01, eval_fn=None, dtypes=("int8", "bf16", "fp32")):
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=list(dtypes)),
                           tolerable_loss=tolerable_loss, max_trials=4, repeats=3, storage=storage,
                           study_name=study_name)
     return autotune(model, config, eval_fn or sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
@@ -47,6 +47,15 @@ def test_a_named_study_tuned_on_other_weights_is_refused_with_the_reason(storage
     tune(sim, sim.model(), storage, study_name="mine")
     with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was tuned on other weights of this model"):
         tune(sim, scaled(sim.model(), 1.01), storage, study_name="mine")
+
+
+def test_a_named_study_resumed_with_other_dtypes_is_refused_saying_what_differs(storage):
+    """It said "(6 modules there, 6 here)", which told nothing of what changed."""
+    sim = SimWorkload(6, eval_cost_s=0)
+    tune(sim, sim.model(), storage, study_name="mine")
+    with pytest.raises(StudyMismatchError, match=r"was made for other modules or dtypes \(6 modules there, 6 here: "
+                                                 r"\S+: int8/bf16/fp32 there, int8/fp32 here; .*; 3 more\)"):
+        tune(sim, sim.model(), storage, study_name="mine", dtypes=("int8", "fp32"))
 
 
 def test_a_named_study_resumed_with_another_accuracy_requirement_is_refused_with_the_reason(storage):

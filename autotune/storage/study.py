@@ -132,7 +132,7 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     if stored != candidates:
         raise StudyMismatchError(
             f"study {study_name!r} in {shown(config.storage)} was made for other modules or dtypes "
-            f"({len(stored)} modules there, {len(candidates)} here); use another study_name")
+            f"({candidates_differ(stored, candidates)}); use another study_name")
     requirement = {"tolerable_loss": config.tolerable_loss, "loss_kind": config.loss_kind,
                    "higher_is_better": config.higher_is_better}
     if (asked := _recorded(study, "requirement", requirement)) != requirement:
@@ -144,6 +144,16 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
             f"study {study_name!r} in {shown(config.storage)} was tuned on other weights of this model (retrained or "
             f"fine-tuned since?): its trials' scores do not hold for these; use another study_name")
     return study
+
+
+def candidates_differ(stored: dict[str, list[str]], candidates: dict[str, list[str]]) -> str:
+    """How a study's tunable modules and their dtypes differ from these, in words: the first few differences."""
+    differences = [f"{name} only there" for name in stored if name not in candidates]
+    differences += [f"{name} only here" for name in candidates if name not in stored]
+    differences += [f"{name}: {'/'.join(stored[name])} there, {'/'.join(dtypes)} here"
+                    for name, dtypes in candidates.items() if name in stored and stored[name] != dtypes]
+    listed = "; ".join(differences[:3]) + (f"; {len(differences) - 3} more" if len(differences) > 3 else "")
+    return f"{len(stored)} modules there, {len(candidates)} here: {listed}"
 
 
 def check_shapes(study: optuna.Study, config: TuningConfig, weights: dict[str, float]) -> None:
