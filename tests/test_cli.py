@@ -242,6 +242,13 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.yaml:4:"):
         load_config(bad)
     assert_clear_error(run("tune", str(bad)), "bad.yaml:4:", "YAML syntax error")
+    # A plan file's too, in one line: it was pyyaml's seven, quoting the text.
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("plan:\n  conv: int8\n  fc1: [int8\n")
+    good = write_yaml(tmp_path / "good.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    result = run("apply", str(plan), "--config", str(good), "--out", str(tmp_path / "m.pt"))
+    assert_clear_error(result, f"Error: not a JSON or YAML plan file: {plan}:4:1: YAML syntax error: expected ','")
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_unknown_key_names_the_field_path(tmp_path):

@@ -44,7 +44,10 @@ def test_eval_fn_that_is_not_callable(storage):
                                               (None, "must return a number; it returned NoneType"),
                                               (True, "must return a number; it returned bool"),
                                               (math.nan, "returned nan, not a finite number"),
-                                              (torch.tensor([0.1, 0.2]), "must return a number")])
+                                              (torch.tensor([0.1, 0.2]), "must return a number"),
+                                              # a long one was shown as its repr, over several lines
+                                              (torch.randn(64, 10), r"it returned a Tensor of shape \(64, 10\): "
+                                                                    r"reduce it to one number$")])
 def test_eval_fn_returning_a_non_number_stops_before_any_trial(storage, returned, message):
     def eval_fn(model):
         model(INPUTS)

@@ -33,6 +33,7 @@ from autotune.cli.base import (
 )
 from autotune.clone import clone
 from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
+from autotune.config.file import yaml_error
 from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration, get_engine, realise, with_knobs
 from autotune.errors import PlanError, describe
@@ -266,10 +267,11 @@ class SavedPlan:
 def read_plan(path: str) -> SavedPlan:
     """A plan file from `autotune export` (JSON or YAML), or a bare {module: dtype} mapping (the eager engine, no
     knobs; a compiling engine compiles through torch.compile's wrapper)."""
+    text = Path(path).read_text()
     try:
-        data = yaml.safe_load(Path(path).read_text())  # YAML reads JSON too
+        data = yaml.safe_load(text)  # YAML reads JSON too
     except yaml.YAMLError as exc:
-        raise CliError(f"{path}: not a JSON or YAML plan file: {exc}") from None
+        raise CliError(f"not a JSON or YAML plan file: {yaml_error(exc, path, text)}") from None
     plan = data.get("plan", data) if isinstance(data, dict) else data
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise CliError(f"{path}: expected a mapping of module name to dtype (or autotune export's output)")

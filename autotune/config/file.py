@@ -329,6 +329,18 @@ def check_without_imports(data: dict, source: str) -> None:
                                     source) from None
 
 
+def yaml_error(exc: yaml.YAMLError, source: str, text: str) -> str:
+    """What is wrong in the YAML (or JSON) text read from `source`, in one line naming where: pyyaml's own message
+    spans several lines, quoting the text."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"{_where(source, text, exc.position)}: YAML syntax error: character {exc.character!r} is not allowed"
+    return f"{source}: YAML error: {' '.join(str(exc).split())}"
+
+
 def read_yaml(text: str, source: str) -> dict:
     """The mapping a YAML config's text holds, not yet validated.
 
@@ -337,15 +349,8 @@ def read_yaml(text: str, source: str) -> dict:
     """
     try:
         data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        raise ConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
-    except yaml.reader.ReaderError as exc:
-        raise ConfigError(f"{_where(source, text, exc.position)}: YAML syntax error: character {exc.character!r} "
-                          "is not allowed in YAML") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: YAML error: {exc}") from None
+        raise ConfigError(yaml_error(exc, source, text)) from None
     except RecursionError:
         raise ConfigError(f"{source}: YAML nested too deeply to read") from None
     if not isinstance(data, dict):

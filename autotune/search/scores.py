@@ -33,6 +33,14 @@ from autotune.storage.claims import lease
 log = logging.getLogger("autotune")
 
 
+def _described(value: Any) -> str:
+    """What came back, in one short line: an array by its shape (reduce it to the score, e.g. `.mean().item()`)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"a {type(value).__name__} of shape {tuple(shape)}: reduce it to one number"
+    return f"{type(value).__name__} {' '.join(repr(value).split())[:80]}"
+
+
 def score_of(value: Any) -> float:
     """eval_fn's return as a finite float, or EvalFunctionError saying what came back instead. A tensor or numpy
     array of one element is its number."""
@@ -40,7 +48,7 @@ def score_of(value: Any) -> float:
     if (isinstance(value, torch.Tensor) and value.numel() == 1) or one_element_array:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise EvalFunctionError(f"eval_fn must return a number; it returned {type(value).__name__} {value!r:.80}")
+        raise EvalFunctionError(f"eval_fn must return a number; it returned {_described(value)}")
     if not math.isfinite(value):
         raise EvalFunctionError(f"eval_fn returned {value}, not a finite number")
     return float(value)
