@@ -101,6 +101,16 @@ def test_a_password_with_a_raw_at_sign_is_masked_whole_and_said_to_need_encoding
         assert password.split("@", 1)[1] not in result.output, result.output
 
 
+@pytest.mark.parametrize("command", [["list"], ["show", "mnist"], ["cancel", "1"]])
+def test_a_storage_nothing_was_tuned_in_yet_says_what_makes_it_and_an_empty_queue_is_no_error(tmp_path, command):
+    url = f"sqlite:///{tmp_path}/none.db"
+    assert_one_error_line(run(*command, "--storage", url), 2, f"no study storage at {url}: nothing was tuned or "
+                          "submitted there yet (`autotune tune CONFIG` or `autotune submit CONFIG` makes it)")
+    listed = run("jobs", "--storage", url)
+    assert listed.exit_code == 0 and listed.output.strip() == f"no jobs in {url}"
+    assert not (tmp_path / "none.db").exists()
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_an_in_memory_sqlite_storage_is_refused_as_keeping_nothing(tmp_path, url):
     # It was reported as a database briefly down ("no such table: studies; once it answers, run the command again").

@@ -193,7 +193,8 @@ def missing_sqlite(url: str) -> bool:
 def open_existing_storage(url: str):
     # open_storage creates a missing SQLite file; reading commands must not leave an empty one behind.
     if missing_sqlite(url):
-        raise CliError(f"no study storage at {shown(url)}")
+        raise CliError(f"no study storage at {shown(url)}: nothing was tuned or submitted there yet (`autotune tune "
+                       "CONFIG` or `autotune submit CONFIG` makes it); --storage, or AUTOTUNE_STORAGE, names another")
     return open_storage(url)
 
 

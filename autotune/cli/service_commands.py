@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import optuna
 
-from autotune.cli.base import main, open_existing_storage, storage_option
+from autotune.cli.base import main, missing_sqlite, open_existing_storage, storage_option
 from autotune.config.file import check_without_imports, read_yaml
 from autotune.result import best_speedup, counted, table
 from autotune.service.jobs import OPEN, JobQueue
@@ -100,6 +100,9 @@ REASON_WIDTH = 100   # a job's reason in the table; a longer one is given in ful
 @storage_option
 def jobs(storage: str) -> None:
     """Jobs with their state, trials done and best speedup so far."""
+    if missing_sqlite(storage):    # nothing submitted there yet: an empty queue, not an error
+        click.echo(f"no jobs in {shown(storage)}")
+        return
     rdb = open_existing_storage(storage)
     rows = [["job", "state", "priority", "config", "submitted UTC", "by", "study", "trials", "best", "reason"]]
     cut: list[str] = []     # reasons too long for the table, in full below it
