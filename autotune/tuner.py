@@ -167,13 +167,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     weights = studies.weights_signature(fp32)
     name = study_name_for(model, config, candidates, storage, weights)
     study = studies.open_study(config, name, candidates, storage, weights)
-    allocation = allocation_while_timing(config.steady_allocation)
-    log.info("%s", allocation)
-    studies.set_attr(study, "settings", run_settings(config, device, allocation))
-    studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
-    if config.latency_inputs and not any(callable(entry.factory) for entry in config.latency_inputs):
-        studies.set_attr(study, studies.LATENCY_INPUTS_ATTR,   # for export, and bench where it names none
-                         [entry.model_dump(exclude_defaults=True) for entry in config.latency_inputs])
+    _record_settings(study, config, device, fp32)
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 
@@ -195,6 +189,18 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         # for it to judge them.
         runner.baseline  # noqa: B018
     return runner
+
+
+def _record_settings(study, config: TuningConfig, device: torch.device, fp32: nn.Module) -> None:
+    """Sets how latency is timed in this process, and records it on the study with what the views read: the
+    dtype the model was handed over in, and the config's latency_inputs (for export; bench times them)."""
+    allocation = allocation_while_timing(config.steady_allocation)
+    log.info("%s", allocation)
+    studies.set_attr(study, "settings", run_settings(config, device, allocation))
+    studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
+    if config.latency_inputs and not any(callable(entry.factory) for entry in config.latency_inputs):
+        studies.set_attr(study, studies.LATENCY_INPUTS_ATTR,
+                         [entry.model_dump(exclude_defaults=True) for entry in config.latency_inputs])
 
 
 def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> Callable[[nn.Module], Any]:

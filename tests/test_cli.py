@@ -401,3 +401,36 @@ def test_apply_says_to_compile_in_place_a_plan_of_a_model_its_own_methods_call(t
     assert result.exit_code == 0, result.output
     assert ("model.compile()" in result.output) is in_place
     assert ("torch.compile(torch.load(" in result.output) is not in_place
+
+
+def test_delete_removes_a_study_with_its_claims_and_refuses_one_with_a_trial_running(tmp_path):
+    """The only way to reuse a study's name for another model was Optuna's own CLI; and a new study of that name
+    would have found its plans claimed by the old one's trials."""
+    import optuna
+    import sqlalchemy
+
+    from autotune import TuningConfig, autotune
+    from autotune.storage.claims import PlanClaims
+    from autotune.storage.rdb import open_storage
+    storage = f"sqlite:///{tmp_path}/s.db"
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    result = autotune(model, TuningConfig(engines=["eager"], max_trials=3, repeats=3, storage=storage,
+                                          study_name="old"), lambda m: 1.0, example_inputs=torch.randn(8, 16))
+    PlanClaims(open_storage(storage), "old").claim("a plan", 0)     # as a trial of it claims its plan
+    claimed = "SELECT count(*) FROM autotune_plan_claims WHERE study_name = 'old'"
+    engine = sqlalchemy.create_engine(storage)
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql(claimed).scalar() >= 1
+    asked = CliRunner().invoke(main, ["delete", "old", "--storage", storage], input="n\n")   # asked; no: kept
+    assert asked.exit_code == 1 and "delete study 'old' (" in asked.output and "evaluated trial" in asked.output
+    assert "old" in run("list", "--storage", storage).output
+    running = optuna.load_study(study_name="old", storage=storage).ask()   # another process tuning it
+    refused = run("delete", "old", "--storage", storage, "--yes")
+    assert_clear_error(refused, "study 'old' has 1 trial running: stop the tuning first")
+    result.study.tell(running, state=optuna.trial.TrialState.FAIL)
+    deleted = run("delete", "old", "--storage", storage, "--yes")
+    assert deleted.exit_code == 0 and "deleted study 'old'" in deleted.output
+    assert run("list", "--storage", storage).output.strip() == f"no studies in {storage}"
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql(claimed).scalar() == 0
+    assert_clear_error(run("delete", "old", "--storage", storage, "--yes"), "no study named 'old'")

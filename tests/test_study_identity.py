@@ -145,7 +145,8 @@ def test_a_bf16_copy_of_a_model_is_another_set_of_weights(storage):
     first = tune(sim, sim.model(), storage)
     half = sim.model().to(torch.bfloat16)
     config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.01)
-    assert study_name_for(half, config, storage=open_storage(storage)) == f"{first.study.study_name}.2"
+    # (Its modules take no bf16 cast either, being bf16 already: its name differs from the first's at the root.)
+    assert study_name_for(half, config, storage=open_storage(storage)) != first.study.study_name
 
 
 class Branchy(torch.nn.Module):

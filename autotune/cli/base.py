@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 import optuna
+from optuna.storages import RDBStorage
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
@@ -177,9 +178,10 @@ def writable(out: str) -> str:
     return out
 
 
-def load_study(name: str, storage: str) -> optuna.Study:
+def load_study(name: str, storage: str, rdb: RDBStorage | None = None) -> optuna.Study:
+    """Study `name` in the storage at URL `storage` (opened as `rdb` already, where given)."""
     try:
-        return optuna.load_study(study_name=name, storage=open_existing_storage(storage))
+        return optuna.load_study(study_name=name, storage=rdb or open_existing_storage(storage))
     except KeyError:
         raise CliError(f"no study named {name!r} in {shown(storage)}; `autotune list` with the same storage "
                        "lists the studies there") from None

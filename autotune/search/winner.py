@@ -182,7 +182,7 @@ def _scored_as_recorded(runner: TrialRunner) -> bool:
             f"{recorded:.6g} when it was tuned")
     if abs(config.accuracy_loss(recorded, score)) > config.tolerable_loss:
         raise StudyMismatchError(f"{said}: its data or metric changed since, and its plans were judged against "
-                                 "the old scores; tune it under another study_name (or delete the study)")
+                                 "the old scores; tune it under another study_name (or `autotune delete` the study)")
     log.warning("%s, within the tolerance: its recorded best is scored again on the data now", said)
     runner.judge_against(score)
     return True

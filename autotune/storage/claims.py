@@ -46,6 +46,15 @@ def create_tables(engine: sqlalchemy.Engine) -> None:
             raise
 
 
+def forget_study(storage: RDBStorage, study_name: str) -> None:
+    """Deletes a study's plan claims and leases (with the study itself): a new study of that name would otherwise
+    find its plans claimed by trials of the old one."""
+    create_tables(storage.engine)
+    with storage.engine.begin() as connection:
+        for table in (plan_claims, leases):
+            connection.execute(table.delete().where(table.c.study_name == study_name))
+
+
 def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
