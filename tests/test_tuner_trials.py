@@ -411,6 +411,12 @@ def test_a_search_left_nothing_but_fp32_says_why_in_the_summary(storage):
     result = autotune(model, config, lambda m: 1.0, x, measurer=LoweredIsSlower(["0", "2"]))
     assert result.trials_evaluated == 0 and result.stopped.startswith("no plan to try but fp32: every module's")
     assert f"search stopped: {result.stopped}" in result.summary()
+    # Two plans left of max_trials 8 read as a bug where the pruning went unnamed.
+    some = autotune(model, config.model_copy(update={"study_name": "some"}), lambda m: 1.0, x,
+                    measurer=HalfCostMeasurer(["0", "2"]))
+    assert some.stopped == ("every plan of the space was tried (4 in all: the dtypes left to each module once the "
+                            "signals pruned those slower than fp32 or losing too much alone; `autotune show` lists "
+                            "them)"), some.stopped
 
 
 def test_a_trial_another_process_failed_as_stale_while_it_ran_is_dropped_and_the_run_goes_on(storage, caplog):

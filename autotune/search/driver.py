@@ -125,7 +125,11 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
         return ("no plan to try but fp32: every module's lower dtypes were pruned, as slower than fp32 or as losing "
                 "too much alone (`autotune show` lists each module's figures); only the finalists' whole-model plans, "
                 "one dtype throughout, may still be built and raced")
-    return budget.spent(runner) or (patience.reason() if patience.spent else "every plan of the space was tried")
+    if budget.spent(runner) or patience.spent:
+        return budget.spent(runner) or patience.reason()
+    # A few plans where max_trials allowed more read as a bug unless the pruning is named.
+    return (f"every plan of the space was tried ({runner.space.size} in all: the dtypes left to each module once the "
+            "signals pruned those slower than fp32 or losing too much alone; `autotune show` lists them)")
 
 
 def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> str:

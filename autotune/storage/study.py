@@ -166,7 +166,9 @@ def check_shapes(study: optuna.Study, config: TuningConfig, weights: dict[str, f
     stored = _recorded(study, "latency_shapes", weights)
     if stored != weights:
         raise StudyMismatchError(f"study {study.study_name!r} in {shown(config.storage)} measures latency at "
-                                 f"{stored}, not {weights}; use another study_name")
+                                 f"{stored}, not {weights}; use another study_name, or name its shapes in "
+                                 "latency_inputs (a batch size eval_fn's first batch no longer has: "
+                                 "latency_inputs: [{batch: N}])")
 
 
 def _recorded(study: optuna.Study, key: str, value: Any) -> Any:
