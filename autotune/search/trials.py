@@ -297,7 +297,8 @@ class TrialRunner:
             self._end_turn = turn.close    # the objective ends it first thing: the trial exists by then
             try:
                 self.refresh()
-                if not choose() or (queued_only and not self.refresh().waiting):
+                # No second read: under the turn no other worker takes a queued trial, and `queue` counts its own.
+                if not choose() or (queued_only and not self.waiting):
                     return None
                 return self.run_once()
             finally:
@@ -311,6 +312,8 @@ class TrialRunner:
         distributions = {unit: CategoricalDistribution(self.space.choices[unit]) for unit in unit_plan}
         self.study.add_trial(create_trial(state=TrialState.WAITING, params=unit_plan, distributions=distributions,
                                           user_attrs={"source": source, studies.QUEUED_KEY_ATTR: key}))
+        self.waiting += 1    # the study as last read, with this trial: what start_next goes by
+        self.in_flight += 1
 
     def status_of(self, unit_plan: Plan) -> Status:
         """What the study knows of `unit_plan`, as of this runner's last `refresh`."""
