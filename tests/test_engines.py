@@ -741,6 +741,28 @@ def test_a_compiled_model_takes_its_inputs_by_position_or_keyword_before_and_aft
                 assert (candidate(*args, **kwargs) - reference).norm() < 0.05 * reference.norm(), (saved, kwargs)
 
 
+def test_a_saved_compiled_model_is_called_as_eval_fn_called_the_model(tmp_path):
+    """`autotune apply` wrote the graph taking every input by position: a model eval_fn called with keywords (a
+    tensor, a float and a flag) failed as a drop-in for it once loaded ("kwarg keyword mismatch")."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 8), torch.rand(4, 8)
+    for model, call, layout in ((Masked().eval(), ((x,), {"mask": mask}), "pixel_values, mask="),
+                                (Scaled().eval(), ((torch.randn(4, 16),), {"scale": 0.5, "clip": True}),
+                                 "x, scale=, clip=")):
+        engine, plan = CompiledEngine(), {"proj": "int8"}
+        built = engine.build(model, plan, Calibration([call], {}))
+        path = tmp_path / f"{type(model).__name__}.pt2"
+        loads_with = engine.save(built, call, str(path))
+        assert loads_with.endswith(f"as eval_fn called the model: ({layout})")
+        with torch.inference_mode():
+            expected = built(*call[0], **call[1])
+            assert torch.allclose(torch.export.load(str(path)).module()(*call[0], **call[1]), expected, atol=1e-5)
+            by_position = engine.runnable(engine.load(str(path)))    # as the compile cache reads it back
+            assert torch.allclose(by_position(*call[0], *call[1].values()), expected, atol=1e-4)
+            with pytest.raises(TypeError, match="unexpected keyword argument 'size'"):
+                by_position(*call[0], **call[1], size=3)
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

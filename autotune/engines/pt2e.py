@@ -24,6 +24,7 @@ from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.export import export, output_types_registered
 from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
 from autotune.engines.quiet import library_notes_dropped
+from autotune.engines.saved_graph import CallLayout, read_graph, write_graph
 from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
 from autotune.model_call import call
@@ -244,21 +245,20 @@ class CompiledEngine:
 
     # Through file objects: torch.export warns of any path not ending in .pt2 (the cache's names do not).
     def save(self, built: nn.Module, inputs, path: str) -> str:
-        signature = inspect.signature(built.forward)
-        with open(path, "wb") as out:   # by position, as SavedAsExported calls the graph it loads
-            _write_exported(built, _by_position(signature, *inputs), out)
+        with open(path, "wb") as out:
+            layout = write_graph(built, inputs, out)
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
                 "torch.compile(torch.export.load(path).module(), dynamic=False), called with "
                 "torch._inductor.config.freezing = True (inductor then runs int8 kernels; it cannot freeze some such "
                 "graphs for a dynamic batch, so each batch size compiles apart) on copies of the inputs you keep "
-                "(its int8 linear fused with a residual add can write the sum into an input), by position: "
-                f"({', '.join(signature.parameters)})")
+                "(its int8 linear fused with a residual add can write the sum into an input), as eval_fn called the "
+                f"model: ({layout})")
 
     def load(self, path: str) -> nn.Module:
         quantised_ops_registered()
         output_types_registered()
         with open(path, "rb") as saved:
-            return torch.export.load(saved).module()
+            return read_graph(saved)
 
 
 class SavedAsExported(FrozenCompiled):
@@ -272,10 +272,10 @@ class SavedAsExported(FrozenCompiled):
             from torchao.quantization.pt2e.inductor_passes.x86 import quant_lift_up
         super().__init__(built, options={"pre_grad_custom_pass": quant_lift_up})
         self.output_modules: list[str] = []   # where the classes of its first output are defined
-        self.signature = inspect.signature(built.forward)
+        self.layout = CallLayout.of(built)
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _by_position(self.signature, args, kwargs)
+        args, kwargs = self.layout.arrange(args, kwargs)
         first = self.example is None
         output = super().forward(*args, **kwargs)
         if first:
@@ -287,17 +287,8 @@ class SavedAsExported(FrozenCompiled):
             raise TypeError("a compiled-engine model is saved once it has been called: its graph is exported on "
                             "inputs shaped as its first call's")
         exported = io.BytesIO()
-        _write_exported(self.built[0], self.example, exported)
+        write_graph(self.built[0], self.example, exported)
         return _loaded, (exported.getvalue(), self.example, self.output_modules)
-
-
-def _by_position(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A call's inputs by position, as the graph is saved and called: a graph exported takes only the call structure
-    it was given."""
-    if not kwargs:
-        return args, kwargs
-    bound = signature.bind(*args, **kwargs)
-    return bound.args, bound.kwargs
 
 
 def _defining_modules(output) -> set[str]:
@@ -307,11 +298,6 @@ def _defining_modules(output) -> set[str]:
         return set()
     items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
     return {type(output).__module__, *(name for item in items for name in _defining_modules(item))} - {"builtins"}
-
-
-def _write_exported(built: nn.Module, inputs, out) -> None:
-    with library_notes_dropped():
-        torch.export.save(export(built, inputs), out)
 
 
 def _x86_quantizer():
@@ -337,6 +323,6 @@ def _loaded(exported: bytes, example, output_modules: list[str] = ()) -> SavedAs
         for name in output_modules:
             importlib.import_module(name)
     output_types_registered()
-    runnable = SavedAsExported(torch.export.load(io.BytesIO(exported)).module())
+    runnable = SavedAsExported(read_graph(io.BytesIO(exported)))
     runnable.example = example
     return runnable
