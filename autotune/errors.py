@@ -1,7 +1,9 @@
 """Every error the tuner raises on purpose derives from AutotuneError, so callers can catch one type."""
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # Up to the URL's last "@": a password holding an "@" not percent-encoded is then masked whole, not to its first.
@@ -51,6 +53,23 @@ def _compile_error_cause(text: str) -> str:
     return said
 
 
+# torch's names of the dtypes, which a config names as autotune does
+TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                     "qint8": "int8", "quint8": "int8"}
+
+
+def did_you_mean(given: str, choices: Iterable[str]) -> str:
+    """"; did you mean 'x'?" for the choice closest to `given` (a misspelling, a torch dtype's name, another case),
+    or "" where none is close."""
+    choices = list(choices)
+    lowered = {choice.lower(): choice for choice in choices}
+    key = given.strip().lower().removeprefix("torch.")
+    close = ([lowered[key]] if key in lowered else
+             [TORCH_DTYPE_NAMES[key]] if TORCH_DTYPE_NAMES.get(key) in choices else
+             difflib.get_close_matches(given, choices, n=1, cutoff=0.8))
+    return f"; did you mean {close[0]!r}?" if close and close[0] != given else ""
+
+
 class AutotuneError(Exception):
     """Base class of the errors autotune raises on purpose."""
 
@@ -63,10 +82,12 @@ class ConfigError(AutotuneError, ValueError):
         self.errors = errors or []
 
     @classmethod
-    def from_validation(cls, exc, model_name: str, hints: dict[str, str] | None = None) -> ConfigError:
+    def from_validation(cls, exc, model_name: str, hints: dict[str, str] | None = None,
+                        fields_at: Callable[[tuple], Iterable[str]] | None = None) -> ConfigError:
         """From a pydantic ValidationError: one (dotted field path, message) pair per error, the message naming the
-        value given where it is a plain one the message does not show, and an unknown field's `hints` entry (by its
-        name: what to use instead); one line for one error."""
+        value given where it is a plain one the message does not show, and for an unknown field its `hints` entry
+        (by its name: what to use instead) or else the closest of the fields beside it (`fields_at`: their names,
+        given the unknown one's path); for a value not among the choices, the closest; one line for one error."""
         errors = []
         for err in exc.errors():
             path = ".".join(str(part) for part in err["loc"]) or model_name
@@ -74,8 +95,12 @@ class ConfigError(AutotuneError, ValueError):
             if err["type"] not in ("missing", "extra_forbidden") and isinstance(given, (str, int, float)) \
                     and str(given) not in message:
                 message += f" (got {given!r})"
-            if err["type"] == "extra_forbidden" and err["loc"] and str(err["loc"][-1]) in (hints or {}):
-                message += f"; {hints[str(err['loc'][-1])]}"
+            if err["type"] == "extra_forbidden" and err["loc"]:
+                name = str(err["loc"][-1])
+                message += (f"; {hints[name]}" if name in (hints or {}) else
+                            did_you_mean(name, fields_at(err["loc"][:-1])) if fields_at else "")
+            if err["type"] == "literal_error" and isinstance(given, str):
+                message += did_you_mean(given, re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected"))))
             errors.append((path, message))
         return cls.of_fields(model_name, errors)
 

@@ -274,6 +274,13 @@ def test_import_path_that_does_not_resolve(tmp_path):
                        "model.factory", "no_such_model", "evaluation.eval_fn", "no_such_package")
 
 
+def test_a_misspelt_import_path_names_the_attribute_it_is_close_to(tmp_path):
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["model"]["factory"] = "autotune.workloads.mnist:modle"
+    assert_clear_error(run("tune", str(write_yaml(tmp_path / "c.yaml", data))),
+                       "model.factory", "has no attribute 'modle'; did you mean 'model'?")
+
+
 def test_factory_that_raises_is_a_config_error(tmp_path):
     data = small_mnist(f"sqlite:///{tmp_path}/s.db")
     data["model"] = {"factory": "torch.nn:Linear", "kwargs": {"in_features": 4}}

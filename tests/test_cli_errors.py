@@ -356,7 +356,8 @@ def test_submit_refuses_what_a_worker_would_fail_the_job_for_without_importing_a
     assert_one_error_line(run("submit", str(one), "--storage", url), 2,
                           "one.yaml: invalid config: tuning.tolerable_lose: Extra inputs are not permitted")
     typo = write_yaml(tmp_path / "typo.yaml", {**job, "tunning": {"max_trials": 3}})
-    assert_one_error_line(run("submit", str(typo), "--storage", url), 2, "unknown section(s) tunning")
+    assert_one_error_line(run("submit", str(typo), "--storage", url), 2, "unknown section(s) tunning",
+                          "did you mean 'tuning'?")
     # A variable only the workers' environment may set is left to them, as is the storage they replace.
     later = write_yaml(tmp_path / "later.yaml", {**job, "tuning": {"max_trials": "${AUTOTUNE_TEST_UNSET_VAR}"}})
     assert run("submit", str(later), "--storage", url).output == "job 1 queued\n"

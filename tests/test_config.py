@@ -25,10 +25,36 @@ def test_finalists_run_in_every_engine_of_the_device_unless_engines_are_given():
     assert set(TuningConfig().engines) == set(ENGINES)      # a new engine is named in the config as well
 
 
-def test_unknown_field_is_rejected_naming_it():
+def test_unknown_field_is_rejected_naming_it_and_the_field_it_is_close_to():
     with pytest.raises(ConfigError) as info:
         TuningConfig(max_trial=10)
-    assert ("max_trial", "Extra inputs are not permitted") in info.value.errors
+    assert ("max_trial", "Extra inputs are not permitted; did you mean 'max_trials'?") in info.value.errors
+    with pytest.raises(ConfigError) as info:
+        TuningConfig(batch_size=10)      # close to no field
+    assert ("batch_size", "Extra inputs are not permitted") in info.value.errors
+
+
+@pytest.mark.parametrize("data, path, message", [
+    ({"config_set": {"dtypes": ["int8"]}}, "config_set.0.dtypes", "did you mean 'dtype'?"),   # nested: its own fields
+    ({"config_set": {"dtype": ["int8", "bfloat16"]}}, "config_set.0.dtype.1", "did you mean 'bf16'?"),
+    ({"config_set": {"dtype": ["torch.float16"]}}, "config_set.0.dtype.0", "did you mean 'fp16'?"),
+    ({"config_set": {"dtype": ["INT8"]}}, "config_set.0.dtype.0", "did you mean 'int8'?"),
+    ({"engines": ["compile"]}, "engines.0", "did you mean 'compiled'?"),
+    ({"knobs": ["channel_last"]}, "knobs.0", "did you mean 'channels_last'?"),
+    ({"objective": "Pareto"}, "objective", "did you mean 'pareto'?"),
+])
+def test_a_misspelt_field_or_value_is_refused_with_the_closest_known_one(data, path, message):
+    """A misspelt key or dtype was refused naming the valid values only: the user looked for the difference."""
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping(data)
+    [(where, said)] = info.value.errors
+    assert where == path and said.endswith(message), said
+
+
+def test_a_value_close_to_no_choice_gets_no_guess():
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping({"config_set": {"dtype": ["int4"]}})
+    assert "did you mean" not in str(info.value) and "'int8'" in str(info.value)
 
 
 def test_unknown_dtype_is_rejected_naming_the_field():

@@ -235,7 +235,7 @@ def test_anything_but_a_mapping_of_names_is_a_config_error(data):
 def test_unknown_key_is_named_even_when_it_is_not_an_identifier():
     with pytest.raises(ConfigError) as info:
         TuningConfig.from_mapping({"max trials!": 3})
-    assert ("max trials!", "Extra inputs are not permitted") in info.value.errors
+    assert ("max trials!", "Extra inputs are not permitted; did you mean 'max_trials'?") in info.value.errors
 
 
 # ------------------------------------------------------------------------------------------ YAML mutations

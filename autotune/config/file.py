@@ -26,7 +26,7 @@ from torch import nn
 
 from autotune.config.tuning import StrictModel, TuningConfig, split_import_path
 from autotune.dataset_eval import dataset_eval
-from autotune.errors import ConfigError, masked
+from autotune.errors import ConfigError, did_you_mean, masked
 
 # `$$` (a literal `$`), `${VAR}` or `$VAR`; any other `$` is text. A variable's value is not scanned again.
 _VARIABLE = re.compile(r"\$(?:(\$)|\{(\w+)\}|(\w+))")
@@ -89,7 +89,9 @@ def resolve(import_path: str) -> Any:
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise ValueError(f"{import_path!r}: module {module_name!r} has no attribute {attribute!r}") from None
+            names = [name for name in dir(target) if not name.startswith("_")]
+            raise ValueError(f"{import_path!r}: module {module_name!r} has no attribute {attribute!r}"
+                             + did_you_mean(part, names)) from None
     if not callable(target):
         raise ValueError(f"{import_path!r} is not callable")
     return target
@@ -314,7 +316,7 @@ def check_without_imports(data: dict, source: str) -> None:
     unknown = sorted(set(data) - set(FileConfig.model_fields))
     if unknown:
         raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}; a config has "
-                          f"{', '.join(FileConfig.model_fields)}")
+                          f"{', '.join(FileConfig.model_fields)}" + did_you_mean(unknown[0], FileConfig.model_fields))
     tuning = without_storage(data).get("tuning")
     if not isinstance(tuning, dict):
         return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import reprlib
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -83,7 +84,24 @@ class StrictModel(BaseModel):
         try:
             return cls.model_validate(data, context=context)
         except ValidationError as exc:
-            raise ConfigError.from_validation(exc, name, INC_FIELDS) from None
+            raise ConfigError.from_validation(exc, name, INC_FIELDS, lambda loc: fields_at(cls, loc)) from None
+
+
+def fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the model found at `loc` (pydantic's path of an error) under `model`, or [] where none is.
+    """
+    found: type[BaseModel] | None = model
+    for part in (part for part in loc if not isinstance(part, int)):   # list indices name no field
+        field = found.model_fields.get(part) if found else None
+        found = _model_in(field.annotation) if field else None
+    return list(found.model_fields) if found else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (`list[X]`, `X | None`, `X`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in typing.get_args(annotation) if (found := _model_in(arg))), None)
 
 
 class _RaisesConfigError(type(BaseModel)):
@@ -94,7 +112,7 @@ class _RaisesConfigError(type(BaseModel)):
         try:
             return super().__call__(*args, **kwargs)
         except ValidationError as exc:
-            raise ConfigError.from_validation(exc, cls.__name__, INC_FIELDS) from None
+            raise ConfigError.from_validation(exc, cls.__name__, INC_FIELDS, lambda loc: fields_at(cls, loc)) from None
 
 
 class ConfigModel(StrictModel, metaclass=_RaisesConfigError):
