@@ -243,9 +243,15 @@ class _Setup:
 def _usable(device: torch.device) -> torch.device:
     """`device`, where this process can run on it; else a ConfigError saying why (torch's own was an
     AssertionError from deep in Module.to: "Torch not compiled with CUDA enabled")."""
-    if device.type != "cuda":
+    if device.type == "cpu":
         return device
-    if not torch.cuda.is_available():
+    if device.type != "cuda":     # mps, xpu, ...: torch says why not ("not linked with support for mps devices")
+        try:
+            torch.empty(0, device=device)
+            return device
+        except Exception as exc:  # each backend raises its own kind
+            why = describe(exc)
+    elif not torch.cuda.is_available():
         why = ("this torch was built without CUDA (a CPU wheel): install a CUDA build of torch, or tune on the CPU"
                if torch.version.cuda is None else "no CUDA GPU is visible to this process (drivers, "
                "CUDA_VISIBLE_DEVICES, or docker run without --gpus)")
@@ -391,7 +397,8 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None,
                                          **({NOISE_KEY: max(noisy.values())} if noisy else {}),
                                          **({BUSY_KEY: True} if busy else {})})
     if busy:
-        log.warning(CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed"))
+        log.warning(CONTENDED.format(shapes=", ".join(filter(None, busy)) or "the shape timed",
+                                     how=" (`autotune bench`)"))
     if noisy:
         log.warning("the timing behind the speedup was noisy: it is known to %s only; time the plan again on a "
                     "quiet machine (`autotune bench`)", ", ".join(f"±{100 * off:.0f} % at {name}"

@@ -26,10 +26,13 @@ def config(storage, **fields):
     return TuningConfig(storage=storage, study_name="errors", max_trials=2, repeats=3, **fields)
 
 
-def test_a_device_this_process_cannot_use_is_a_config_error(storage):
-    """torch's own was an AssertionError from deep in Module.to ("Torch not compiled with CUDA enabled"), shown by
-    the CLI as an unexpected error after the study had been opened."""
-    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+@pytest.mark.parametrize("kind", ["cuda", "mps"])
+def test_a_device_this_process_cannot_use_is_a_config_error(storage, kind):
+    """torch's own was an AssertionError from deep in Module.to ("Torch not compiled with CUDA enabled"), or for
+    mps a RuntimeError, shown by the CLI as an unexpected error after the study had been opened."""
+    if kind == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this torch runs on mps")
+    device = kind if kind == "mps" else f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
     with pytest.raises(ConfigError, match=f"device '{device}' cannot be used here: ") as raised:
         autotune(small_model(), config(storage, device=device), lambda m: 1.0)
     assert raised.value.errors[0][0] == "tuning.device"
