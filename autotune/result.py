@@ -12,7 +12,7 @@ from autotune.plan import Plan, summarize
 
 CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
-             "time the plan again on a quiet machine (`autotune bench`), or set num_threads to leave cores free")
+             "time the plan again on a quiet machine{how}, or set num_threads to leave cores free")
 NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
 BUSY_KEY = "timed_busy"       # in a study's `best`: true where other processes kept the CPUs busy as it was timed
 
