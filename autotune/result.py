@@ -9,6 +9,7 @@ from torch import nn
 
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
+from autotune.storage import study as studies
 
 CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
@@ -85,7 +86,8 @@ class TuningResult:
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")
         speedup = speedup_text(self.speedup, max(self.noisy_shapes().values(), default=None))
         lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
-                 f"study {self.study.study_name!r}: {counted(self.trials_evaluated, 'evaluated trial')}; "
+                 f"study {self.study.study_name!r}: {counted(self.trials_evaluated, 'evaluated trial')}"
+                 + (f" ({failed})" if (failed := studies.failures_said(self.study)) else "") + "; "
                  f"{counted(self.eval_calls, 'eval_fn call')} this run; {self.wall_time_s:.1f} s"
                  + (f"; search stopped: {self.stopped}" if self.stopped else "")]
         medians = self.best.latency.median_ms / self.baseline.latency.median_ms

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import assert_state_equal, state_snapshot
 from optuna.trial import TrialState
 from torch import nn
@@ -58,6 +59,18 @@ def test_a_trial_whose_eval_fn_raises_is_failed_with_its_reason_and_never_wins(s
     assert result.plan["1.0"] == "fp32"
     assert any(t.state == TrialState.COMPLETE and t.user_attrs.get("evaluated") for t in result.study.trials)
     assert_state_equal(model, before)
+    # The summary and `show` say why: a study whose every trial failed read as a search that found nothing faster.
+    said = f"{len(failed)} failed: RuntimeError: kernel crashed on layer 1"
+    assert f"evaluated trials ({said}); " in result.summary()
+    from optuna.trial import create_trial
+
+    from autotune.cli.study_commands import show
+    result.study.add_trial(create_trial(state=TrialState.FAIL))    # its process died mid-trial: no reason
+    shown = CliRunner().invoke(show, ["failing", "--storage", storage])
+    numbers = ", ".join(str(t.number) for t in failed)
+    assert f"trial{'s' if len(failed) > 1 else ''} {numbers} failed: RuntimeError: kernel crashed on layer 1\n" \
+        in shown.output, shown.output
+    assert shown.output.count(" stopped\n") == 1 and "stopped: its process was interrupted or died" in shown.output
 
 
 def test_the_users_model_is_untouched_when_tuning_raises(storage):

@@ -180,6 +180,8 @@ def show(study_name: str, storage: str) -> None:
             outcome = "duplicate"
         elif trial.state == optuna.trial.TrialState.COMPLETE:
             outcome = "pass" if attrs.get("passed") else "FAIL"
+        elif trial.state == optuna.trial.TrialState.FAIL and "fail_reason" not in attrs:
+            outcome = "stopped"     # its process died or was interrupted mid-trial: the plan was queued again
         else:
             outcome = trial.state.name.lower()
         plan = studies.trial_plan(trial)
@@ -187,6 +189,10 @@ def show(study_name: str, storage: str) -> None:
                      summarize(plan, kept), formatted(attrs.get("accuracy")), _ratio(trial),
                      *([_per_shape(attrs.get("latency_by_shape"))] if by_shape else []), outcome])
     click.echo(table(rows))
+    for reason, numbers in studies.failures(study).items():
+        click.echo(f"{'trial' if len(numbers) == 1 else 'trials'} {', '.join(map(str, numbers))} failed: {reason}")
+    if any(row[-1] == "stopped" for row in rows):
+        click.echo("stopped: its process was interrupted or died mid-trial; its plan was queued again")
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     click.echo(f"baseline accuracy {formatted(baseline)}")
     best = studies.get_attr(study, "best")

@@ -218,6 +218,28 @@ def evaluated_trials(study: optuna.Study) -> list[FrozenTrial]:
             if _evaluated(t)]
 
 
+def failures(study: optuna.Study) -> dict[str, list[int]]:
+    """Why evaluated trials failed (eval_fn raised, returned no number or ran past its timeout), most trials first:
+    each reason's first line with the numbers of the trials it failed."""
+    found: dict[str, list[int]] = {}
+    for trial in evaluated_trials(study):
+        if trial.state == TrialState.FAIL:
+            reason = str(trial.user_attrs["fail_reason"]).strip().splitlines() or [""]
+            found.setdefault(reason[0][:300], []).append(trial.number)
+    return dict(sorted(found.items(), key=lambda item: -len(item[1])))
+
+
+def failures_said(study: optuna.Study) -> str:
+    """"N failed: the commonest reason (and M for other reasons)", or "" where no evaluated trial failed: a study
+    whose every trial's eval_fn call failed read as a search that found nothing faster."""
+    if not (found := failures(study)):
+        return ""
+    (reason, numbers), *others = found.items()
+    rest = sum(len(more) for _, more in others)
+    return (f"{sum(map(len, found.values()))} failed: {reason}"
+            + (f" ({rest} for other reasons: `autotune show`)" if rest else ""))
+
+
 @dataclass(frozen=True)
 class TrialsView:
     """What the search needs to know of a study's trials, from one read of the storage (one consistent state).
