@@ -9,7 +9,6 @@ from torch import nn
 
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
-from autotune.storage import study as studies
 
 CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
@@ -53,6 +52,7 @@ class TuningResult:
     knobs: tuple[str, ...] = ()   # model-level knobs `model` runs with: autotune.engines.knobs
     held: str = "fp32"       # the dtype the model was handed over in: what the baseline and the plan's "fp32" hold
     stopped: str | None = None   # why the search stopped, where the summary says it (the CLI says it as it stops)
+    failed: str = ""         # how many evaluated trials failed and why (storage.study.failures_said); "" if none
 
     def __call__(self, *args, **kwargs):
         raise TypeError("autotune returns a TuningResult, not the model: call result.model (INC's autotune returns "
@@ -87,7 +87,7 @@ class TuningResult:
         speedup = speedup_text(self.speedup, max(self.noisy_shapes().values(), default=None))
         lines = [table(rows), f"speedup {speedup}   plan {summarize(self.plan, self.held)}   engine {engine}",
                  f"study {self.study.study_name!r}: {counted(self.trials_evaluated, 'evaluated trial')}"
-                 + (f" ({failed})" if (failed := studies.failures_said(self.study)) else "") + "; "
+                 + (f" ({self.failed})" if self.failed else "") + "; "
                  f"{counted(self.eval_calls, 'eval_fn call')} this run; {self.wall_time_s:.1f} s"
                  + (f"; search stopped: {self.stopped}" if self.stopped else "")]
         medians = self.best.latency.median_ms / self.baseline.latency.median_ms

@@ -170,10 +170,9 @@ class Worker:
             # Another worker finishes it where this one's lease lapsed (a paused process), or it is cancelled:
             # its verified winner is then not recorded over theirs, and the job not said done.
             result = finish(runner, started, still_ours=lambda: self.queue.get(job.id).state == FINISHING)
-            failed = studies.failures_said(runner.study)
             if self.queue.end(job.id, DONE, f"speedup {result.speedup:.2f}x, {summarize(result.plan, result.held)}, "
-                                            f"{result.trials_evaluated} evaluated trials" + (f", {failed}" if failed
-                                                                                              else "")):
+                                            f"{result.trials_evaluated} evaluated trials"
+                                            + (f", {result.failed}" if result.failed else "")):
                 log.info("job %d done: speedup %.2fx", job.id, result.speedup)
                 return
             state = self.queue.get(job.id).state
