@@ -150,6 +150,18 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
         assert type(tuned_model.get_submodule(name)) is want, name
     accuracy = accuracy_eval(*digits(500))(tuned_model)
     assert accuracy >= 0.99 * accuracy_eval(*digits(500))(reference)
+    assert "note:" not in result.output
+
+
+def test_apply_of_a_plan_that_leaves_modules_out_says_which_stay_as_they_are(tuned):
+    """A plan file edited by hand with modules deleted was applied without a word: they stayed fp32."""
+    folder, config, storage, _ = tuned
+    plan_file, out = folder / "part.json", folder / "part.pt"
+    plan_file.write_text(json.dumps({"features.0": "int8", "classifier.2": "fp32"}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(out), env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert (f"note: {plan_file} names 2 of the 4 modules tuning searches in this model; features.3, classifier.0 "
+            "stay as the model holds them (fp32)") in result.output
 
 
 def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch):

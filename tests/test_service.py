@@ -443,7 +443,10 @@ def test_the_same_config_submitted_twice_is_noted_and_its_second_job_keeps_the_r
     url = f"sqlite:///{tmp_path}/jobs.db"
     config = str(write_job(tmp_path, "twice", {"eval_fn": "resume_workload:fidelity_eval"}))
     submit = ["submit", config, "--storage", url]
-    assert CliRunner().invoke(main, submit).output == "job 1 queued\n"
+    # The config names a storage of its own, which a job does not use: said, where it was dropped without a word.
+    assert CliRunner().invoke(main, submit).output == (
+        f"job 1 queued\nnote: its tuning.storage (sqlite:///{tmp_path}/s.db) is not used: a job's study is kept where "
+        f"the job is queued ({url}), whichever worker runs it\n")
     second = CliRunner().invoke(main, submit)
     assert second.exit_code == 0 and "job 2 queued" in second.output, second.output
     assert "note: job 1 (queued) tunes study twice too" in second.output

@@ -34,6 +34,9 @@ def submit(config_path: str, storage: str, priority: int) -> None:
     queue = JobQueue(opened)
     tuning = data.get("tuning") if isinstance(data.get("tuning"), dict) else {}
     notes = _earlier_work(opened, queue, str(tuning["study_name"])) if tuning.get("study_name") else []
+    if tuning.get("storage") not in (None, storage):
+        notes.append(f"its tuning.storage ({shown(str(tuning['storage']))}) is not used: a job's study is kept where "
+                     f"the job is queued ({shown(storage)}), whichever worker runs it")
     job_id = queue.submit(text, str(path.resolve().parent), path.name, priority)
     click.echo(f"job {job_id} queued")
     for note in notes:

@@ -348,9 +348,13 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     if saved.compile_in_place:   # its own methods call it (generate): compiled in place, as tuning did
         setattr(model, CALLS_ITSELF, True)
     try:
-        validate_plan(plan, search_candidates(model, config.tuning))
+        validate_plan(plan, candidates := search_candidates(model, config.tuning))
     except PlanError as exc:
         raise CliError(f"{plan_path}: {exc}") from None
+    if unnamed := [name for name in candidates if name not in plan]:    # a plan file edited by hand, say
+        click.echo(f"note: {plan_path} names {len(plan)} of the {len(candidates)} modules tuning searches in this "
+                   f"model; {_listed(unnamed)} {'stays' if len(unnamed) == 1 else 'stay'} as the model holds "
+                   f"{'it' if len(unnamed) == 1 else 'them'} ({held_dtype(model)})", err=True)
     for knob, reason in ((knob, KNOBS[knob].supports(model)) for knob in knobs):
         if reason is not None:   # e.g. a plan tuned on a GPU, applied to a model configured for the CPU
             raise CliError(f"{plan_path}: knob {knob} does not apply to this model: {reason}")
@@ -361,6 +365,10 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
     built = realise(with_knobs(model, knobs), plan, engine, calibration)
     return AppliedPlan(plan, engine, knobs, saved.latency_inputs, model, built, batches)
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @main.command(name="list")
