@@ -138,6 +138,7 @@ def unlowerable(model: nn.Module, candidates: dict[str, list[str]]) -> list[str]
 
 
 UNTUNED_SHARE = 0.1   # a module type holding this share of the weights, none of it tuned, is named in the log
+UNTUNED_MOST = 0.5    # and as a warning where such types hold this share: most of the model is left as it is
 
 
 def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[str, tuple[int, float]]:
@@ -161,7 +162,8 @@ def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[
     found = {kind: (len(holders[kind]), size / total) for kind, size in owned.items()
              if total and size / total >= UNTUNED_SHARE}
     if found:
-        log.info("not tuned, as no module_types names them: %s", ", ".join(
+        most = sum(share for _, share in found.values()) >= UNTUNED_MOST   # a recommender's EmbeddingBag: 65 %
+        log.log(logging.WARNING if most else logging.INFO, "not tuned, as no module_types names them: %s", ", ".join(
             f"{kind} ×{count} ({100 * share:.0f} % of the weights)" for kind, (count, share) in found.items()))
     return found
 

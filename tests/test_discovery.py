@@ -74,7 +74,10 @@ def test_a_type_holding_much_of_the_weights_that_no_module_types_names_is_said_t
         untuned = untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig()]))
     assert set(untuned) == {"Embedding"} and untuned["Embedding"][0] == 1   # LayerNorm: a sliver of the weights
     assert untuned["Embedding"][1] == pytest.approx(32000 / (32000 + 64 + 32 * 8 + 8))
-    assert "not tuned, as no module_types names them: Embedding ×1 (99 % of the weights)" in caplog.text
+    said = [r for r in caplog.records if r.getMessage().startswith("not tuned, as no module_types names them")]
+    assert [r.getMessage() for r in said] == ["not tuned, as no module_types names them: Embedding ×1 (99 % of the "
+                                              "weights)"]
+    assert said[0].levelno == logging.WARNING    # most of the model: said where a plain `autotune tune` shows it
     assert untuned_weights(model, tunable_modules(model, [MixedPrecisionConfig(module_types=["Embedding",
                                                                                               "Linear"])])) == {}
 
