@@ -401,6 +401,30 @@ def test_a_worker_not_allowed_a_running_jobs_imports_leaves_it_to_the_workers_ru
         queue.get(queued).reason
 
 
+def test_a_queued_job_another_live_worker_allows_is_left_queued_for_it_and_jobs_lists_the_workers(tmp_path,
+                                                                                                   monkeypatch):
+    """In a pool of workers allowed `mypkg.*` beside default ones, a default worker that took a queued mypkg job
+    first failed it for good: the user had to submit it again, and again, until an allowed worker took it first."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    from autotune.service.worker import Worker
+
+    url, storage, queue, (job,) = queued_jobs(tmp_path, monkeypatch, "mine")
+    with queue.serving(("resume_workload:*",)) as allowed:     # a worker allowed its imports, busy elsewhere
+        assert Worker(storage, url).run(exit_when_idle=True) == 1    # the default --allow: autotune.workloads.*
+        waiting = queue.get(job)
+        assert waiting.state == "queued" and waiting.reason == (
+            "refused: model.factory: resume_workload:model, evaluation.eval_fn: resume_workload:fidelity_eval, "
+            "example_inputs.factory: resume_workload:example_inputs not allowed on this worker (--allow "
+            f"autotune.workloads.*): left for workers that allow them ({allowed})")
+        listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
+        assert listed.endswith(f"1 live worker\n  {allowed} (--allow resume_workload:*)\n"), listed
+    assert queue.live_workers() == []     # it left the queue's workers as it stopped
+    assert Worker(storage, url).run(exit_when_idle=True) == 1
+    assert queue.get(job).state == "failed" and queue.get(job).reason.endswith("; no live worker allows them")
+
+
 @pytest.mark.parametrize("ended", ["cancelled", "done"])
 def test_a_finisher_whose_job_ended_meanwhile_records_nothing_and_does_not_say_done(tmp_path, monkeypatch, caplog,
                                                                                  ended):

@@ -109,7 +109,8 @@ def jobs(storage: str) -> None:
     rdb = open_existing_storage(storage)
     rows = [["job", "state", "priority", "config", "submitted UTC", "by", "study", "trials", "best", "reason"]]
     cut: list[str] = []     # reasons too long for the table, in full below it
-    for job in JobQueue(rdb).all():
+    queue = JobQueue(rdb)
+    for job in queue.all():
         trials, best = _progress(rdb, job.study_name)
         reason = " ".join((job.reason or "").split())    # one line in the table (a config error's has several)
         if len(reason) > REASON_WIDTH:
@@ -119,6 +120,9 @@ def jobs(storage: str) -> None:
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
                      trials, best, reason])
     click.echo("\n".join([table(rows), *cut]) if len(rows) > 1 else f"no jobs in {shown(storage)}")
+    live = queue.live_workers()
+    click.echo(f"{counted(len(live), 'live worker')}" + "".join(
+        f"\n  {worker.id} (--allow {' '.join(worker.allow)})" for worker in live))
 
 
 @main.command()

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import datetime
 import getpass
+import json
+import os
 import socket
-from collections.abc import Collection
+import time
+import uuid
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy
 from optuna.storages import RDBStorage
-from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, Text
+from sqlalchemy import Column, DateTime, Float, Integer, MetaData, String, Table, Text
 
 from autotune.config.file import read_yaml
 from autotune.errors import AutotuneError, ConfigError
-from autotune.storage.claims import create_tables, live_lease
+from autotune.storage.claims import create_tables, kept_alive, live_lease
 
 QUEUED, RUNNING, FINISHING, DONE, FAILED, CANCELLED = "queued", "running", "finishing", "done", "failed", "cancelled"
 OPEN = (QUEUED, RUNNING, FINISHING)     # not ended: a user may cancel it
@@ -41,8 +46,22 @@ jobs_table = Table(
     Column("finished_at", DateTime))
 
 
+workers_table = Table(      # the workers serving the queue, each kept alive by its own renewals
+    "autotune_workers", _metadata,
+    Column("id", String(128), primary_key=True),       # host:pid:random
+    Column("allow", Text, nullable=False),             # its --allow patterns, as JSON
+    Column("seen_at", Float, nullable=False))          # seconds since the epoch
+WORKER_TTL_S = 30.0     # a worker not seen for this long has died
+
+
 class JobError(AutotuneError):
     """A job that does not exist, or cannot be moved to the state asked for."""
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    id: str
+    allow: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -85,7 +104,7 @@ class JobQueue:
         try:
             _metadata.create_all(self.engine, checkfirst=True)
         except sqlalchemy.exc.DatabaseError:   # another process created it between the check and the create
-            if "autotune_jobs" not in sqlalchemy.inspect(self.engine).get_table_names():
+            if not set(_metadata.tables) <= set(sqlalchemy.inspect(self.engine).get_table_names()):
                 raise
 
     def submit(self, config_yaml: str, config_dir: str, config_name: str, priority: int = 0) -> int:
@@ -111,8 +130,40 @@ class JobQueue:
             if row is None:
                 return None
             if row["state"] == QUEUED:
-                connection.execute(jobs_table.update().where(jobs_table.c.id == row["id"]).values(state=RUNNING))
+                connection.execute(jobs_table.update().where(jobs_table.c.id == row["id"])
+                                   .values(state=RUNNING, reason=None))   # a refusal it waited after is past
         return Job(**{**row, "state": RUNNING if row["state"] == QUEUED else row["state"]}, found=row["state"])
+
+    def requeue(self, job_id: int, reason: str) -> None:
+        """Puts back a job `take` marked running, where no worker has run any of it (it names no study yet), with
+        why it waits."""
+        with self.engine.begin() as connection:
+            connection.execute(jobs_table.update().where(jobs_table.c.id == job_id, jobs_table.c.state == RUNNING,
+                                                         jobs_table.c.study_name.is_(None))
+                               .values(state=QUEUED, reason=reason[:2000]))
+
+    @contextmanager
+    def serving(self, allow: tuple[str, ...]) -> Iterator[str]:
+        """Lists this process among the queue's live workers, with its `allow` patterns, while the block runs;
+        yields its id."""
+        worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        with self.engine.begin() as connection:
+            connection.execute(workers_table.insert().values(id=worker_id, allow=json.dumps(allow),
+                                                             seen_at=time.time()))
+        mine = workers_table.c.id == worker_id
+        try:
+            with kept_alive(self.engine, lambda: workers_table.update().where(mine).values(seen_at=time.time()),
+                            WORKER_TTL_S / 3, f"worker {worker_id}"):
+                yield worker_id
+        finally:
+            with self.engine.begin() as connection:
+                connection.execute(workers_table.delete().where(mine))
+
+    def live_workers(self) -> list[LiveWorker]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(sqlalchemy.select(workers_table).where(
+                workers_table.c.seen_at >= time.time() - WORKER_TTL_S).order_by(workers_table.c.id)).mappings().all()
+        return [LiveWorker(row["id"], tuple(json.loads(row["allow"]))) for row in rows]
 
     def get(self, job_id: int) -> Job:
         with self.engine.connect() as connection:

@@ -41,7 +41,12 @@ IMPORT_FIELDS = (("model", "factory"), ("evaluation", "eval_fn"), ("example_inpu
 
 
 class JobRefused(AutotuneError):
-    """A job names an import path this worker does not allow; nothing of it was run."""
+    """A job names an import path this worker does not allow; nothing of it was run. `named`: every (field, import
+    path) it names."""
+
+    def __init__(self, message: str, named: list[tuple[str, str]]):
+        super().__init__(message)
+        self.named = named
 
 
 def import_paths(data: dict) -> list[tuple[str, str]]:
@@ -59,13 +64,19 @@ def import_paths(data: dict) -> list[tuple[str, str]]:
     return found
 
 
+def refused_paths(named: list[tuple[str, str]], allow: tuple[str, ...]) -> list[str]:
+    """"field: path" for each (field, import path) no `allow` pattern matches, as written or dotted ("mypkg.*"
+    allows "mypkg:model" too, as a user reads it)."""
+    return [f"{field}: {path}" for field, path in named
+            if not any(fnmatchcase(name, pattern) for pattern in allow for name in (path, path.replace(":", ".")))]
+
+
 def check_allowed(data: dict, allow: tuple[str, ...]) -> None:
-    """Raises JobRefused naming each import path no `allow` pattern matches, as written or dotted ("mypkg.*" allows
-    "mypkg:model" too, as a user reads it); runs none of them."""
-    refused = [f"{field}: {path}" for field, path in import_paths(data)
-               if not any(fnmatchcase(name, pattern) for pattern in allow for name in (path, path.replace(":", ".")))]
-    if refused:
-        raise JobRefused(f"refused: {', '.join(refused)} not allowed on this worker (--allow {' '.join(allow)})")
+    """Raises JobRefused naming each import path of the config's raw mapping that `allow` does not; runs none."""
+    named = import_paths(data)
+    if refused := refused_paths(named, allow):
+        raise JobRefused(f"refused: {', '.join(refused)} not allowed on this worker (--allow {' '.join(allow)})",
+                         named)
 
 
 def job_config(job: Job, allow: tuple[str, ...]) -> FileConfig:
@@ -81,10 +92,15 @@ class Worker:
     def __init__(self, storage: RDBStorage, storage_url: str, allow: tuple[str, ...] = DEFAULT_ALLOW):
         self.storage, self.storage_url, self.allow = storage, storage_url, allow
         self.queue = JobQueue(storage)
-        self.leaving: set[int] = set()   # jobs other workers run that this one may not: left to them
+        self.leaving: set[int] = set()   # jobs other workers run, or may run, that this one may not: left to them
+        self.id: str | None = None       # among the queue's live workers, while it runs
 
     def run(self, exit_when_idle: bool = False, poll_s: float = 2.0) -> int:
         """Runs jobs until none is open (with `exit_when_idle`) or forever; returns how many it worked on."""
+        with self.queue.serving(self.allow) as self.id:
+            return self._take_jobs(exit_when_idle, poll_s)
+
+    def _take_jobs(self, exit_when_idle: bool, poll_s: float) -> int:
         worked: set[int] = set()
         while True:
             try:
@@ -112,12 +128,7 @@ class Worker:
                                    waits_out_outages=True)
             self._run(job, config, tuning, storage, started)
         except JobRefused as exc:
-            if job.found == QUEUED:   # no worker has run it: refused here, it fails with the paths it named
-                self._fail(job, str(exc))
-            else:    # a worker allowed them runs it: failing it would end that worker's work too
-                self.leaving.add(job.id)
-                log.info("job %d: %s; it runs on workers that allow them, and this one leaves it to them", job.id,
-                         exc)
+            self._refused(job, exc)
         except Exception as exc:   # the user's code (factories, eval_fn) may raise anything: the job fails alone
             if lost_connection(exc, self.storage.engine):
                 wait_until_reachable(self.storage.engine, exc)
@@ -126,6 +137,20 @@ class Worker:
         finally:
             if storage is not None:   # its connections: left to the collector, they piled up job after job
                 storage.engine.dispose()
+
+    def _refused(self, job: Job, refused: JobRefused) -> None:
+        """A job queued that no live worker allows fails with the paths it named; one that another live worker
+        allows is left queued for it (a pool of workers with `--allow "mypkg.*"` beside default ones), and one a
+        worker runs already is left to it: failing it would end that worker's work too."""
+        allowing = [worker.id for worker in self.queue.live_workers()
+                    if worker.id != self.id and not refused_paths(refused.named, worker.allow)]
+        if job.found == QUEUED and not allowing:
+            self._fail(job, f"{refused}; no live worker allows them")
+            return
+        self.leaving.add(job.id)
+        if job.found == QUEUED:
+            self.queue.requeue(job.id, f"{refused}: left for workers that allow them ({', '.join(allowing)})")
+        log.info("job %d: %s; left to workers that allow them", job.id, refused)
 
     def _run(self, job: Job, config: FileConfig, tuning: TuningConfig, storage: RDBStorage, started: float) -> None:
         runner = start_runner(config.build_model(), tuning, config.evaluation.build(),

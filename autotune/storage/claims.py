@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import sqlalchemy
@@ -115,27 +115,37 @@ def lease(storage: RDBStorage, study_name: str, name: str, ttl_s: float, poll_s:
             yield False
             return
         time.sleep(poll_s)
+    with kept_alive(engine, lambda: leases.update().where(*where, leases.c.holder == holder)
+                    .values(expires_at=time.time() + ttl_s), ttl_s / 3, f"lease {name} of study {study_name}"):
+        try:
+            yield True
+        finally:
+            with engine.begin() as connection:
+                connection.execute(leases.delete().where(*where, leases.c.holder == holder))
+
+
+@contextmanager
+def kept_alive(engine: sqlalchemy.Engine, renewal: Callable[[], sqlalchemy.Executable], every_s: float,
+               what: str) -> Iterator[None]:
+    """Executes `renewal()` (a row's expiry or last-seen time set to now) every `every_s` in a thread while the
+    block runs: a process that dies stops renewing, and its row then lapses."""
     stop = threading.Event()
 
     def renew() -> None:
-        while not stop.wait(ttl_s / 3):
+        while not stop.wait(every_s):
             try:
                 with engine.begin() as connection:
-                    connection.execute(leases.update().where(*where, leases.c.holder == holder)
-                                       .values(expires_at=time.time() + ttl_s))
+                    connection.execute(renewal())
             except sqlalchemy.exc.SQLAlchemyError as exc:   # a locked SQLite file, a dropped connection: next tick
-                log.warning("lease %s of study %s: renewing failed (%s); trying again", name, study_name,
-                            describe(exc))
+                log.warning("%s: renewing failed (%s); trying again", what, describe(exc))
 
-    renewer = threading.Thread(target=renew, name=f"autotune-lease-{name}", daemon=True)
+    renewer = threading.Thread(target=renew, name=f"autotune-renew-{what}", daemon=True)
     renewer.start()
     try:
-        yield True
+        yield
     finally:
         stop.set()
         renewer.join()
-        with engine.begin() as connection:
-            connection.execute(leases.delete().where(*where, leases.c.holder == holder))
 
 
 def _acquire(engine: sqlalchemy.Engine, study_name: str, name: str, holder: str, ttl_s: float, where: list) -> bool:
