@@ -153,6 +153,17 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
     assert "note:" not in result.output
 
 
+def test_apply_refuses_a_pt2_name_for_a_model_torch_export_cannot_read(tuned):
+    """An eager plan was written with torch.save under the name the README keeps for exported graphs."""
+    folder, config, storage, _ = tuned
+    plan_file = folder / "eager.json"
+    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": "eager"}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt2"),
+                 env={"TUNE_DIR": str(folder)})
+    assert_clear_error(result, "m.pt2: the eager engine saves the model with torch.save", "name it .pt")
+    assert not (folder / "m.pt2").exists()
+
+
 def test_apply_of_a_plan_that_leaves_modules_out_says_which_stay_as_they_are(tuned):
     """A plan file edited by hand with modules deleted was applied without a word: they stayed fp32."""
     folder, config, storage, _ = tuned

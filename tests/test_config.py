@@ -77,6 +77,14 @@ def test_out_of_range_values_are_rejected(field, value):
     assert info.value.errors[0][0] == field
 
 
+@pytest.mark.parametrize("written, fraction", [("1%", "0.01"), (" 0.5 %", "0.005"), ("%", "0.01")])
+def test_a_tolerable_loss_written_with_a_percent_sign_is_refused_with_the_fraction_to_write(written, fraction):
+    """"1%" was refused as "unable to parse string as a number", which did not say what to write instead."""
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping({"tolerable_loss": written})
+    assert info.value.errors == [("tolerable_loss", f"write the loss as a fraction: {fraction} for {written.strip()}")]
+
+
 def test_a_relative_tolerable_loss_of_one_or_more_is_refused_as_a_percentage_mistaken_for_a_fraction():
     """`tolerable_loss: 5` (5 % meant) ran as a 500 % relative loss: every plan passed, silently."""
     with pytest.raises(ConfigError) as info:

@@ -311,6 +311,9 @@ def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     applied = apply_saved_plan(load_config(config_path), plan_path)
+    if Path(out).suffix == ".pt2" and applied.engine != "compiled":
+        raise CliError(f"{out}: the {applied.engine} engine saves the model with torch.save, which "
+                       "torch.export.load cannot read: name it .pt (.pt2 is for the compiled engine's exported graph)")
     partial = Path(out).with_name(Path(out).name + ".partial")   # a file cut short is never left at `out`
     try:
         loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))

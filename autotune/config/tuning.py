@@ -288,6 +288,15 @@ class TuningConfig(ConfigModel):
                 input=self.tolerable_loss)])
         return self
 
+    @field_validator("tolerable_loss", mode="before")
+    @classmethod
+    def _percent_written_as_such(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            number = value.strip().removesuffix("%").strip()
+            fraction = f"{float(number) / 100:g}" if number.replace(".", "", 1).isdigit() else "0.01"
+            raise ValueError(f"write the loss as a fraction: {fraction} for {value.strip()}")
+        return value
+
     @field_validator("timeout", mode="before")
     @classmethod
     def _no_limit_is_none(cls, value: Any) -> Any:

@@ -156,8 +156,7 @@ class Worker:
         runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
                               config.build_example_inputs(), run_fn=config.build_run_fn(), storage=storage)
         self.queue.set_study(job.id, runner.study.study_name)
-        stopped = search(runner, started, should_stop=self._cancelled(job.id))
-        log.info("job %d: search stopped: %s", job.id, stopped)
+        search(runner, started, should_stop=self._cancelled(job.id))   # it logs why it stopped
         state = self.queue.get(job.id).state
         if state in (RUNNING, FINISHING):
             if (best := studies.standing_best(runner.study, tuning)) is not None:
