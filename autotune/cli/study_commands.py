@@ -35,8 +35,18 @@ from autotune.clone import clone
 from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
 from autotune.config.file import yaml_error
 from autotune.discovery import search_candidates, uncompiled
-from autotune.engines import CALLS_ITSELF, ENGINES, ENTRIES, KNOBS, Calibration, get_engine, realise, with_knobs
-from autotune.errors import PlanError, describe
+from autotune.engines import (
+    CALLS_ITSELF,
+    ENGINES,
+    ENTRIES,
+    KNOBS,
+    Calibration,
+    get_engine,
+    realise,
+    why_not_written,
+    with_knobs,
+)
+from autotune.errors import PlanError
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
@@ -319,17 +329,14 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
         loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))
     except Exception as exc:   # torch.save and torch.export.save refuse some models, each its own way
         partial.unlink(missing_ok=True)
-        raise CliError(f"cannot save the model in the {applied.engine} engine: {describe(exc)}"
-                       + (NAMEDTUPLE_HINT if "namedtuple" in str(exc) else "")) from None
+        raise CliError(f"cannot save the model in the {applied.engine} engine: {why_not_written(exc)}"
+                       + ("; or apply the plan in another engine (its `engine:`)" if applied.engine == "compiled"
+                          else "")) from None
     partial.replace(out)
     knobs = f" with {', '.join(applied.knobs)}" if applied.knobs else ""
     plan = summarize(applied.plan, held_dtype(applied.fp32))
     click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {plan} in the {applied.engine} engine{knobs}; load it "
                f"with {loads_with}")
-
-
-NAMEDTUPLE_HINT = ("; torch.export cannot write a graph whose output is a namedtuple of the model's own: a forward "
-                   "returning a tuple or dict can be saved, or the plan applied in another engine (its `engine:`)")
 
 
 @dataclass(frozen=True)

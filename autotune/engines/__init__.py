@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from autotune.engines.base import CALLS_ITSELF, ENTRIES, Calibration, Engine, EngineUnavailable, compile_model
+from autotune.engines.base import (
+    CALLS_ITSELF,
+    ENTRIES,
+    Calibration,
+    Engine,
+    EngineUnavailable,
+    compile_model,
+    why_not_written,
+)
 from autotune.engines.cache import CompileCache
 from autotune.engines.eager import EagerEngine
 from autotune.engines.inductor import InductorEngine
@@ -49,4 +57,4 @@ def get_engine(name: str) -> Engine:
 
 __all__ = ["CALLS_ITSELF", "ENTRIES", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine",
            "EngineUnavailable", "ENGINES", "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine",
-           "get_engine", "realise", "with_knobs"]
+           "get_engine", "realise", "why_not_written", "with_knobs"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -13,7 +14,7 @@ from torch.nn.utils import parametrize
 
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, describe
 from autotune.plan import Plan
 
 # A knob that changes how a model is compiled marks the model with the mode (a plain attribute: it survives copies,
@@ -176,3 +177,12 @@ class Engine(Protocol):
 
     def load(self, path: str) -> nn.Module:
         """What `save` wrote, as `build` returned it."""
+
+
+def why_not_written(exc: Exception) -> str:
+    """Why a model could not be written, in one line: torch.export's refusal of a namedtuple output names only a
+    private torch function to register it with, which no user should call."""
+    if isinstance(exc, NotImplementedError) and (found := re.search(r"namedtuple class <class '([^']+)'>", str(exc))):
+        return (f"NotImplementedError: torch.export cannot write a graph whose output is a namedtuple of the model's "
+                f"own ({found.group(1)}); a forward returning a tuple or dict can be written")
+    return describe(exc)

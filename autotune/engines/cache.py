@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.engines.base import Calibration, Engine
+from autotune.engines.base import Calibration, Engine, why_not_written
 from autotune.engines.knobs import with_knobs
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import describe
@@ -68,7 +68,7 @@ class CompileCache:
             partial.unlink(missing_ok=True)
             if not self.unkept:    # the same for every finalist of the model: said once
                 log.warning("compile cache: cannot keep this model's finalists (%s); a resumed run builds them "
-                            "again", describe(exc))
+                            "again", why_not_written(exc))
             self.unkept.append(path.name)
             return built
         partial.replace(path)

@@ -78,3 +78,4 @@ def read_graph(saved: IO[bytes]) -> nn.Module:
         written = json.loads(extra[LAYOUT_FILE])
         setattr(graph, LAYOUT_ATTR, CallLayout(tuple(written["positional"]), tuple(written["keywords"])))
     return graph
+
