@@ -116,3 +116,34 @@ def test_ctrl_c_at_a_terminal_says_so_once_for_all_the_processes(tmp_path):
     assert tune.returncode == 130, out + err
     assert [line for line in err.splitlines() if line.startswith("Error:")] == [
         "Error: interrupted; every finished trial is kept: run the same command again to resume"], err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a helper learns of its parent's death from Linux's prctl")
+def test_a_helper_worker_stops_when_the_tune_that_started_it_is_killed(tmp_path):
+    """SIGKILL of `tune --workers 2` left its helper process tuning on alone, its parent gone."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "evals.log"
+    tune = subprocess.Popen([sys.executable, "-m", "autotune", "tune", str(write_config(tmp_path, log)), "--workers",
+                             "2"], env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and tune.poll() is None:
+        pids = {int(line.split()[0]) for line in (log.read_text().splitlines() if log.exists() else [])}
+        if len(pids - {tune.pid}) == 1:
+            break
+        time.sleep(0.2)
+    (helper,) = pids - {tune.pid}     # evaluating plans
+    tune.send_signal(signal.SIGKILL)
+    tune.wait()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:     # gone, or a zombie its new parent has not reaped yet
+            if Path(f"/proc/{helper}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.2)
+    os.kill(helper, signal.SIGKILL)
+    raise AssertionError(f"helper {helper} still ran 120 s after its tune was killed")

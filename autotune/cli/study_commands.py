@@ -148,7 +148,8 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
                + (f"; {workers} workers" if workers > 1 else ""))
     command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
                "--study-name", name]
-    helpers = [subprocess.Popen(command) for _ in range(workers - 1)]
+    helpers = [subprocess.Popen(command, preexec_fn=_interrupted_with_parent if sys.platform == "linux" else None)
+               for _ in range(workers - 1)]
     with tuner_log(verbose):
         try:
             with progress(tuning.max_trials, done, verbose) as callbacks:
@@ -171,6 +172,14 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         result = finish(runner, started)
     click.echo(result.summary())
     click.echo(table([["module", "dtype"], *([n, d] for n, d in result.plan.items())]))
+
+
+def _interrupted_with_parent() -> None:
+    """In a helper process, before it runs: Linux sends it SIGINT (a Ctrl-C: it stops, its finished trials kept)
+    when the `tune` that started it dies. A `tune --workers 2` killed with SIGKILL left its helper tuning on alone."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)   # 1: PR_SET_PDEATHSIG
 
 
 @main.command()

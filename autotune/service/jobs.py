@@ -147,7 +147,8 @@ class JobQueue:
         """Lists this process among the queue's live workers, with its `allow` patterns, while the block runs;
         yields its id."""
         worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        with self.engine.begin() as connection:
+        with self.engine.begin() as connection:   # and forgets those long dead (killed: they left no word)
+            connection.execute(workers_table.delete().where(workers_table.c.seen_at < time.time() - 10 * WORKER_TTL_S))
             connection.execute(workers_table.insert().values(id=worker_id, allow=json.dumps(allow),
                                                              seen_at=time.time()))
         mine = workers_table.c.id == worker_id
