@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import datetime
 import multiprocessing
+import re
 import signal
 import subprocess
 import sys
@@ -423,6 +424,26 @@ def test_a_queued_job_another_live_worker_allows_is_left_queued_for_it_and_jobs_
     assert queue.live_workers() == []     # it left the queue's workers as it stopped
     assert Worker(storage, url).run(exit_when_idle=True) == 1
     assert queue.get(job).state == "failed" and queue.get(job).reason.endswith("; no live worker allows them")
+
+
+def test_jobs_shows_the_live_workers_on_each_running_job_and_a_running_job_none_works_on(tmp_path, monkeypatch):
+    """After Ctrl-C of its only worker a job stayed `running`, and nothing told it from one being worked on."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+
+    url, storage, queue, (job, _) = queued_jobs(tmp_path, monkeypatch, "first", "second")
+    assert queue.take().id == job
+
+    def state_of(listed: str) -> str:
+        row = next(line for line in listed.splitlines() if line.split()[0] == str(job))
+        return re.match(rf"{job}\s+(\S+( \(.*?\))?)", row).group(1)
+    assert state_of(CliRunner().invoke(main, ["jobs", "--storage", url]).output) == "running (no live worker)"
+    with queue.serving(("resume_workload:*",)) as worker:
+        queue.working_on(worker, job)
+        listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
+        assert state_of(listed) == "running (1 worker)"
+        assert listed.endswith(f"1 live worker\n  {worker} (--allow resume_workload:*) on job {job}\n"), listed
 
 
 @pytest.mark.parametrize("ended", ["cancelled", "done"])

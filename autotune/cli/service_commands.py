@@ -13,7 +13,7 @@ import optuna
 from autotune.cli.base import main, missing_sqlite, open_existing_storage, storage_option
 from autotune.config.file import check_without_imports, read_yaml
 from autotune.result import best_speedup, counted, table
-from autotune.service.jobs import OPEN, JobQueue
+from autotune.service.jobs import FINISHING, OPEN, RUNNING, Job, JobQueue, LiveWorker
 from autotune.service.worker import DEFAULT_ALLOW, Worker
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, open_storage_once_up, shown
@@ -110,19 +110,29 @@ def jobs(storage: str) -> None:
     rows = [["job", "state", "priority", "config", "submitted UTC", "by", "study", "trials", "best", "reason"]]
     cut: list[str] = []     # reasons too long for the table, in full below it
     queue = JobQueue(rdb)
+    live = queue.live_workers()
     for job in queue.all():
         trials, best = _progress(rdb, job.study_name)
         reason = " ".join((job.reason or "").split())    # one line in the table (a config error's has several)
         if len(reason) > REASON_WIDTH:
             cut.append(f"job {job.id}: {job.reason}")
             reason = reason[:REASON_WIDTH - 1] + "…"
-        rows.append([str(job.id), job.state, str(job.priority), job.config_name,
+        rows.append([str(job.id), _state(job, live), str(job.priority), job.config_name,
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
                      trials, best, reason])
     click.echo("\n".join([table(rows), *cut]) if len(rows) > 1 else f"no jobs in {shown(storage)}")
-    live = queue.live_workers()
     click.echo(f"{counted(len(live), 'live worker')}" + "".join(
-        f"\n  {worker.id} (--allow {' '.join(worker.allow)})" for worker in live))
+        f"\n  {worker.id} (--allow {' '.join(worker.allow)})" + (f" on job {worker.job_id}" if worker.job_id else "")
+        for worker in live))
+
+
+def _state(job: Job, live: list[LiveWorker]) -> str:
+    """A running job's state with the live workers on it: a job whose workers were all stopped (Ctrl-C, killed)
+    stays running until a worker takes it up again, and read as if it were being worked on."""
+    if job.state not in (RUNNING, FINISHING):
+        return job.state
+    on_it = sum(worker.job_id == job.id for worker in live)
+    return f"{job.state} ({counted(on_it, 'worker')})" if on_it else f"{job.state} (no live worker)"
 
 
 @main.command()

@@ -50,6 +50,7 @@ workers_table = Table(      # the workers serving the queue, each kept alive by 
     "autotune_workers", _metadata,
     Column("id", String(128), primary_key=True),       # host:pid:random
     Column("allow", Text, nullable=False),             # its --allow patterns, as JSON
+    Column("job_id", Integer),                         # the job it works on, if any
     Column("seen_at", Float, nullable=False))          # seconds since the epoch
 WORKER_TTL_S = 30.0     # a worker not seen for this long has died
 
@@ -62,6 +63,7 @@ class JobError(AutotuneError):
 class LiveWorker:
     id: str
     allow: tuple[str, ...]
+    job_id: int | None
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,11 @@ class JobQueue:
         with self.engine.connect() as connection:
             rows = connection.execute(sqlalchemy.select(workers_table).where(
                 workers_table.c.seen_at >= time.time() - WORKER_TTL_S).order_by(workers_table.c.id)).mappings().all()
-        return [LiveWorker(row["id"], tuple(json.loads(row["allow"]))) for row in rows]
+        return [LiveWorker(row["id"], tuple(json.loads(row["allow"])), row["job_id"]) for row in rows]
+
+    def working_on(self, worker_id: str, job_id: int | None) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(workers_table.update().where(workers_table.c.id == worker_id).values(job_id=job_id))
 
     def get(self, job_id: int) -> Job:
         with self.engine.connect() as connection:

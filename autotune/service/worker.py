@@ -114,7 +114,11 @@ class Worker:
                 time.sleep(poll_s)
                 continue
             worked.add(job.id)
-            self.run_job(job)
+            self.queue.working_on(self.id, job.id)
+            try:
+                self.run_job(job)
+            finally:
+                self.queue.working_on(self.id, None)
 
     def run_job(self, job: Job) -> None:
         """Runs `job` to its end or fails it with its reason; where the database stopped answering, waits for it
