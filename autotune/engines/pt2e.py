@@ -4,7 +4,6 @@ quantizer, and inductor compiles the result so that quantise / dequantise pairs 
 from __future__ import annotations
 
 import importlib
-import inspect
 import io
 import logging
 import warnings
@@ -47,7 +46,7 @@ def _prepared(fp32: nn.Module, batches: list[CallInputs], quantizer) -> nn.Modul
         EngineUnavailable: the model cannot be exported, or neither graph annotated; the first failure's reason.
     """
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
-    batches = [_in_signature_order(fp32, batch) for batch in batches]
+    batches = [CallLayout.of(fp32, batch).arrange(*batch) for batch in batches]    # keywords in signature order
     traced = export(fp32, batches[0], batches=batches)
     try:
         return _integers_unobserved(prepare_pt2e(traced.module(), quantizer))
@@ -58,15 +57,6 @@ def _prepared(fp32: nn.Module, batches: list[CallInputs], quantizer) -> nn.Modul
                                                  quantizer))
     except Exception:
         raise first from None
-
-
-def _in_signature_order(model: nn.Module, inputs: CallInputs) -> CallInputs:
-    """`inputs` with its keyword arguments in the order of the model's parameters: the graph takes its inputs in
-    the order export was given them, so a call positional where eval_fn's was by keyword (a tokenizer's input_ids,
-    token_type_ids, attention_mask against BERT's input_ids, attention_mask, token_type_ids) reaches the right ones."""
-    args, kwargs = inputs
-    order = list(inspect.signature(model.forward).parameters)
-    return args, dict(sorted(kwargs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
 
 
 def _integers_unobserved(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:

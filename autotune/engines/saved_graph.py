@@ -33,12 +33,18 @@ class CallLayout:
         parameter by position. A model read back by `read_graph` has its own."""
         if (layout := getattr(model, LAYOUT_ATTR, None)) is not None:
             return layout
-        names = tuple(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters.values()
+        by_position = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [*by_position, *(p.name for p in parameters if p.kind == p.KEYWORD_ONLY)]
         if inputs is None:
-            return cls(names)
+            return cls(tuple(by_position), tuple(names[len(by_position):]))
         args, kwargs = inputs
-        # the keywords in the parameters' order: a graph module exported on them in another took them swapped
-        return cls(names[:len(args)], tuple(sorted(kwargs, key=lambda k: names.index(k) if k in names else len(names))))
+        by_position += [f"input{index}" for index in range(len(by_position), len(args))]   # forward(self, *args)
+        # The keywords in the parameters' order: a graph takes its inputs in the order export was given them (a
+        # tokenizer's dict, in another order than BERT's parameters, reached the wrong ones), and a graph module
+        # exported on them in another order took them swapped.
+        order = {name: index for index, name in enumerate(names)}
+        return cls(tuple(by_position[:len(args)]), tuple(sorted(kwargs, key=lambda k: order.get(k, len(order)))))
 
     @cached_property
     def _signature(self) -> inspect.Signature:
