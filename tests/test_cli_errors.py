@@ -119,6 +119,16 @@ def test_an_in_memory_sqlite_storage_is_refused_as_keeping_nothing(tmp_path, url
                           "is an in-memory SQLite database, which keeps no study")
 
 
+@pytest.mark.parametrize("command", [["list"], ["jobs"], ["tune", "CONFIG"]])
+def test_an_sqlite_storage_naming_a_folder_says_to_name_a_file_in_it(tmp_path, command):
+    """It read "no study storage at ...: nothing was tuned or submitted there yet", or "no jobs in" it."""
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
+    args = [str(config) if arg == "CONFIG" else arg for arg in command]
+    assert_one_error_line(run(*args, "--storage", f"sqlite:///{tmp_path}"), 2,
+                          f"names a folder, not a database file: name a file in it, e.g. "
+                          f"sqlite:///{tmp_path}/autotune.db")
+
+
 @pytest.mark.parametrize("command", [["list"], ["show", "mnist"], ["tune", "CONFIG"]])
 def test_an_unreachable_postgresql_server(tmp_path, command):
     config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))

@@ -189,7 +189,7 @@ def load_study(name: str, storage: str, rdb: RDBStorage | None = None) -> optuna
 
 def missing_sqlite(url: str) -> bool:
     path = sqlite_path(url)
-    return path is not None and not path.is_file()
+    return path is not None and not path.exists()     # a folder: open_storage says what to name instead
 
 
 def open_existing_storage(url: str):

@@ -319,6 +319,9 @@ def _parsed(url: str) -> None:
     if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
         raise StorageError(f"{url!r} is an in-memory SQLite database, which keeps no study: each connection gets "
                            "an empty one of its own; name a file, e.g. sqlite:///studies/autotune.db")
+    if (path := sqlite_path(url)) is not None and path.is_dir():
+        raise StorageError(f"{url!r} names a folder, not a database file: name a file in it, e.g. "
+                           f"sqlite:///{path / 'autotune.db'}")
 
 
 def _sqlite_wal(connection, _record) -> None:
