@@ -154,7 +154,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     run_fn = None if run_fn is None else _taking_the_model_alone(run_fn, run_args, "run_fn")
     if run_fn is None and run_args is not None:
         raise EvalFunctionError("run_args were given without run_fn, the function they are passed to")
-    device = _usable(torch.device(config.device))
+    device = usable_device(torch.device(config.device))
     if (inner := uncompiled(model)) is not model:
         log.info("the model holds torch.compile wrappers: the modules they compile are tuned (module names without "
                  "their _orig_mod), and the compiling engines compile the finalists")
@@ -240,17 +240,17 @@ class _Setup:
     latency: dict[str, dict[str, float]]
 
 
-def _usable(device: torch.device) -> torch.device:
+def usable_device(device: torch.device) -> torch.device:
     """`device`, where this process can run on it; else a ConfigError saying why (torch's own was an
     AssertionError from deep in Module.to: "Torch not compiled with CUDA enabled")."""
     if device.type == "cpu":
         return device
-    if device.type != "cuda":     # mps, xpu, ...: torch says why not ("not linked with support for mps devices")
-        try:
-            torch.empty(0, device=device)
+    if device.type != "cuda":     # mps, xpu, ...: Module.to raised "PyTorch is not linked with support for mps"
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == device.type:
             return device
-        except Exception as exc:  # each backend raises its own kind
-            why = describe(exc)
+        why = f"this torch has no {device.type} device here" + (
+            f" (its accelerator: {accelerator.type})" if accelerator is not None else " (a CPU build, or none visible)")
     elif not torch.cuda.is_available():
         why = ("this torch was built without CUDA (a CPU wheel): install a CUDA build of torch, or tune on the CPU"
                if torch.version.cuda is None else "no CUDA GPU is visible to this process (drivers, "

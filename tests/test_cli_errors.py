@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from test_cli import SHIPPED, small_mnist, write_yaml
@@ -117,6 +118,18 @@ def test_an_in_memory_sqlite_storage_is_refused_as_keeping_nothing(tmp_path, url
     config = write_yaml(tmp_path / "c.yaml", small_mnist(f"sqlite:///{tmp_path}/s.db"))
     assert_one_error_line(run("tune", str(config), "--storage", url), 2,
                           "is an in-memory SQLite database, which keeps no study")
+
+
+def test_tune_on_a_device_this_torch_lacks_says_so_before_opening_any_study(tmp_path):
+    """device: mps printed "study ...: new", then "Error: unexpected RuntimeError: PyTorch is not linked with support
+    for mps devices", exit 1."""
+    if torch.backends.mps.is_available():
+        pytest.skip("this torch runs on mps")
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    data["tuning"]["device"] = "mps"
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
+    assert_one_error_line(result, 2, "Error: device 'mps' cannot be used here: this torch has no mps device here")
+    assert "study" not in result.output and not (tmp_path / "s.db").exists()
 
 
 @pytest.mark.parametrize("command", [["list"], ["jobs"], ["tune", "CONFIG"]])

@@ -54,7 +54,7 @@ from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, shown
-from autotune.tuner import finish, search, start_runner, study_name_for
+from autotune.tuner import finish, search, start_runner, study_name_for, usable_device
 
 
 def evaluated_so_far(model: torch.nn.Module, config: TuningConfig) -> tuple[str, int | None]:
@@ -140,6 +140,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         search(runner, started)
         click.echo(f"worker {os.getpid()}: {counted(runner.eval_calls, 'eval_fn call')}")
         return
+    usable_device(torch.device(tuning.device))    # before the study is said to be opened
     name, done = evaluated_so_far(model, tuning)
     # A run stopped before its first trial was evaluated kept its baseline and signals: a resumed study, not new.
     state = "new" if done is None else f"resuming after {counted(done, 'evaluated trial')}"
