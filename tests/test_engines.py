@@ -1610,6 +1610,11 @@ def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_pat
         outputs[bool(flags)] = result.output
     assert "finalists: compiling the best plans in inductor" in outputs[False]
     assert "built and compiled in" not in outputs[False]
+    # Run again, the recorded best is built and timed again: said so, where it read as the finalists compiled anew.
+    again = CliRunner().invoke(main, ["tune", str(tmp_path / "c0.yaml")])
+    assert again.exit_code == 0 and "finalists: compiling" not in again.output, again.output
+    assert re.search(r"the study's best plan \(.+\) was recorded after its last trial: it is built and timed again",
+                     again.output), again.output
     assert re.search(r"finalist fp32 \(inductor\) built and compiled in \d+\.\d s", outputs[True]), outputs[True]
 
 

@@ -167,7 +167,10 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
                            "finished trial is kept: run the same command again to resume")
         if not verbose:   # with -v the tuner's log says it, and each finalist as it is compiled
             click.echo(f"search stopped: {stopped}")
-            if compiling := [engine for engine in tuning.engines if engine != "eager"]:
+            if (best := studies.standing_best(runner.study, tuning)) is not None:
+                click.echo(f"the study's best plan ({best.get('finalist', 'fp32')}) was recorded after its last "
+                           "trial: it is built and timed again, not chosen again (a larger max_trials searches on)")
+            elif compiling := [engine for engine in tuning.engines if engine != "eager"]:
                 click.echo(f"finalists: compiling the best plans in {', '.join(compiling)} (seconds to minutes a "
                            "plan; -v names each), then timing them together")
         result = finish(runner, started)
