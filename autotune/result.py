@@ -13,6 +13,8 @@ from autotune.plan import Plan, summarize
 CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
              "time the plan again on a quiet machine{how}, or set num_threads to leave cores free")
+MEDIANS_DISAGREE = ("the medians {where} disagree with the speedup: it is the median of per-round ratios, fp32 and "
+                    "the {what} timed in each round, which a busy host's swings leave alone")
 NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
 BUSY_KEY = "timed_busy"       # in a study's `best`: true where other processes kept the CPUs busy as it was timed
 
@@ -91,9 +93,8 @@ class TuningResult:
                  f"{counted(self.eval_calls, 'eval_fn call')} this run; {self.wall_time_s:.1f} s"
                  + (f"; search stopped: {self.stopped}" if self.stopped else "")]
         medians = self.best.latency.median_ms / self.baseline.latency.median_ms
-        if len(self.shapes) <= 1 and (medians - 1) * (1 / self.speedup - 1) < 0:
-            lines.insert(2, "the medians above disagree with the speedup: it is the median of per-round ratios, "
-                            "fp32 and the tuned model timed in each round, which a busy host's swings leave alone")
+        if len(self.shapes) <= 1 and medians_disagree(medians, 1 / self.speedup):
+            lines.insert(2, MEDIANS_DISAGREE.format(where="above", what="tuned model"))
         if busy := self.contended_shapes():
             lines.insert(2, f"other processes kept the CPUs busy while {', '.join(filter(None, busy)) or 'it'} was "
                             "timed: the speedup may be far off (`autotune bench` times it again)")
@@ -115,6 +116,12 @@ def speedup_text(speedup: float, noise: float | None = None, busy: bool = False)
 def best_speedup(best: dict) -> str:
     """speedup_text of a study's recorded `best`."""
     return speedup_text(best["speedup"], best.get(NOISE_KEY), bool(best.get(BUSY_KEY)))
+
+
+def medians_disagree(of_medians: float, per_round: float) -> bool:
+    """Whether the ratio of two medians and the median of per-round ratios tell different stories: one faster than
+    fp32 and the other not, or 1.5 times apart (a busy host's swings: 47x in a table where the rounds said 1.16x)."""
+    return (of_medians - 1) * (per_round - 1) < 0 or max(of_medians, per_round) > 1.5 * min(of_medians, per_round)
 
 
 def counted(number: int, noun: str) -> str:

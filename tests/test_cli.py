@@ -210,6 +210,14 @@ def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch)
     # 30 and 10, a 3x speedup where the lines below it said 2.1x.
     unit = {"microseconds (us)": 1e-3, "milliseconds (ms)": 1.0, "seconds (s)": 1e3}[
         re.search(r"Times are in (\w+ \(\w+\))", result.output).group(1)]
+    # where the table's medians tell another story than the rounds, a line under the shape's says so
+    from autotune.result import medians_disagree
+    told = 0
+    for by_model in timed.values():
+        fp32, plan = by_model["fp32"], next(stats for name, stats in by_model.items() if name != "fp32")
+        per_round = sorted(p / f for p, f in zip(plan.samples_ms, fp32.samples_ms))[1]   # 3 rounds: the median
+        told += medians_disagree(plan.median_ms / fp32.median_ms, per_round)
+    assert result.output.count("the medians in the table disagree with the speedup") == told
     for shape in ("batch 1", "batch 8"):
         row = next(line for line in result.output.splitlines() if line.strip().startswith(f"{shape} "))
         shown = [float(cell) * unit for cell in row.split("|")[1:]]

@@ -319,3 +319,15 @@ def test_timing_beside_processes_that_keep_the_cpus_busy_is_told_and_the_summary
                             SimpleNamespace(study_name="s"), 3, 3, 1.0).summary()
     assert "other processes kept the CPUs busy while it was timed: the speedup may be far off" in summary(cpus)
     assert "busy" not in summary(0.0)
+
+
+@pytest.mark.parametrize("of_medians, per_round, disagree", [
+    (1.3 / 61.5, 1 / 1.16, True),   # a busy host's bench: 47x in the table where the rounds said 1.16x
+    (1.1, 0.9, True),               # one slower than fp32, the other faster
+    (0.5, 0.52, False),
+    (0.5, 0.7, False),
+])
+def test_medians_and_per_round_ratios_are_told_apart_where_they_tell_different_stories(of_medians, per_round,
+                                                                                        disagree):
+    from autotune.result import medians_disagree
+    assert medians_disagree(of_medians, per_round) is disagree

@@ -15,7 +15,7 @@ from autotune.measure.latency import UNCERTAIN_RATIO
 from autotune.measure.measurer import DeviceMeasurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import latency_shapes, weighted_ratio
 from autotune.plan import summarize
-from autotune.result import CONTENDED
+from autotune.result import CONTENDED, MEDIANS_DISAGREE, medians_disagree
 
 
 def batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
@@ -73,6 +73,8 @@ def bench(plan_path: str, config_path: str, shapes: list[int] | None, repeats: i
         click.echo(f"{shape.name} (weight {shape.weight:g}): {1 / ratios[shape.name]:.2f}x fp32  "
                    f"(plan {t[plan_name].median_ms:.3f} ± {t[plan_name].spread_ms:.3f} ms, "
                    f"fp32 {t['fp32'].median_ms:.3f} ± {t['fp32'].spread_ms:.3f} ms, {t['fp32'].repeats} rounds){noise}")
+        if medians_disagree(t[plan_name].median_ms / t["fp32"].median_ms, ratios[shape.name]):
+            click.echo(f"  {MEDIANS_DISAGREE.format(where='in the table', what='plan')}")
     click.echo(f"weighted over the shapes: {1 / weighted_ratio(ratios, at):.2f}x fp32")
     if busy := [shape.name for shape in at if any(stats.contended for stats in timing[shape.name].values())]:
         click.echo(f"note: {CONTENDED.format(shapes=', '.join(busy), how='')}", err=True)
