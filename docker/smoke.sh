@@ -180,7 +180,7 @@ log "submitted: $submitted"
 job=$(awk '{print $2}' <<< "$submitted")
 state=queued
 while [ $((SECONDS - t)) -lt "$JOB_TIMEOUT" ]; do
-    state=$(compose exec -T worker autotune jobs | awk -v id="$job" '$1 == id {print $2}')
+    state=$(compose exec -T worker autotune jobs | awk -v id="$job" '$1 == id {print $2; exit}')
     case $state in done|failed|cancelled) break ;; esac
     sleep 3
 done

@@ -121,7 +121,7 @@ def jobs(storage: str) -> None:
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
                      trials, best, reason])
     click.echo("\n".join([table(rows), *cut]) if len(rows) > 1 else f"no jobs in {shown(storage)}")
-    click.echo(f"{counted(len(live), 'live worker')}" + "".join(
+    click.echo(f"live workers: {len(live)}" + "".join(
         f"\n  {worker.id} (--allow {' '.join(worker.allow)})" + (f" on job {worker.job_id}" if worker.job_id else "")
         for worker in live))
 
