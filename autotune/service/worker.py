@@ -146,14 +146,14 @@ class Worker:
         """A job queued that no live worker allows fails with the paths it named; one that another live worker
         allows is left queued for it (a pool of workers with `--allow "mypkg.*"` beside default ones), and one a
         worker runs already is left to it: failing it would end that worker's work too."""
-        allowing = [worker.id for worker in self.queue.live_workers()
-                    if worker.id != self.id and not refused_paths(refused.named, worker.allow)]
-        if job.found == QUEUED and not allowing:
-            self._fail(job, f"{refused}; no live worker allows them")
-            return
-        self.leaving.add(job.id)
         if job.found == QUEUED:
+            allowing = [worker.id for worker in self.queue.live_workers()
+                        if worker.id != self.id and not refused_paths(refused.named, worker.allow)]
+            if not allowing:
+                self._fail(job, f"{refused}; no live worker allows them")
+                return
             self.queue.requeue(job.id, f"{refused}: left for workers that allow them ({', '.join(allowing)})")
+        self.leaving.add(job.id)
         log.info("job %d: %s; left to workers that allow them", job.id, refused)
 
     def _run(self, job: Job, config: FileConfig, tuning: TuningConfig, storage: RDBStorage, started: float) -> None:
