@@ -15,10 +15,12 @@ from autotune.backends.cast import CastWrapper
 from autotune.backends.int8_conv import StaticInt8Conv2d
 from autotune.backends.int8_linear import DynamicInt8Linear
 from autotune.cli import main
-from autotune.config.file import load_config
+from autotune.cli.study_commands import PLAN_FILE_KEYS
+from autotune.config.file import load_config, load_yaml
 from autotune.dataset_eval import macro_f1, score
 from autotune.errors import ConfigError
 from autotune.measure.latency import UNCERTAIN_RATIO
+from autotune.result import BUSY_KEY, NOISE_KEY
 from autotune.workloads.mnist import accuracy_eval, digits
 from autotune.workloads.mnist import model as mnist_model
 
@@ -164,6 +166,39 @@ def test_apply_refuses_a_pt2_name_for_a_model_torch_export_cannot_read(tuned):
     assert not (folder / "m.pt2").exists()
 
 
+def test_apply_refuses_a_name_other_than_pt2_for_the_compiled_engines_graph(tuned):
+    """`apply --out unet_tuned.pt` of a compiled plan wrote a torch.export file under torch.save's name, unsaid."""
+    folder, config, storage, _ = tuned
+    plan_file = folder / "compiled.json"
+    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": "compiled"}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt"),
+                 env={"TUNE_DIR": str(folder)})
+    assert_clear_error(result, "m.pt: the compiled engine saves the model as a torch.export graph", "name it m.pt2")
+    assert not (folder / "m.pt").exists()
+
+
+def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closest(tuned):
+    """`engin: inductor` and `knob: [channels_last]` beside `plan:` were dropped without a word: the plan was saved
+    in the eager engine, without the knob."""
+    folder, config, storage, _ = tuned
+    plan = {"features.0": "int8", "features.3": "int8", "classifier.0": "int8", "classifier.2": "fp32"}
+    for key, said in (("engin", "unknown key 'engin'; did you mean 'engine'?"), ("colour", "unknown key 'colour'; a")):
+        plan_file = folder / f"{key}.json"
+        plan_file.write_text(json.dumps({key: "inductor", "plan": plan}))
+        result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt"),
+                     env={"TUNE_DIR": str(folder)})
+        assert_clear_error(result, f"Error: {plan_file}: {said}")
+    # Every key export writes is read back, the noisy timing's too.
+    exported = folder / "all.json"
+    assert run("export", "mnist", "--storage", storage, "--out", str(exported)).exit_code == 0
+    data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False}
+    assert set(data) == set(PLAN_FILE_KEYS) - {"latency_inputs"}
+    exported.write_text(json.dumps(data))
+    result = run("apply", str(exported), "--config", str(config), "--out", str(folder / "m.pt"),
+                 env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+
+
 def test_apply_of_a_plan_that_leaves_modules_out_says_which_stay_as_they_are(tuned):
     """A plan file edited by hand with modules deleted was applied without a word: they stayed fp32."""
     folder, config, storage, _ = tuned
@@ -289,6 +324,28 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     result = run("apply", str(plan), "--config", str(good), "--out", str(tmp_path / "m.pt"))
     assert_clear_error(result, f"Error: not a JSON or YAML plan file: {plan}:4:1: YAML syntax error: expected ','")
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_key_given_twice_is_named_with_both_lines_in_a_config_and_a_plan_file(tmp_path):
+    """pyyaml keeps the last of two equal keys: a second `model:` ran with the first dropped, and a plan file's second
+    `plan:` replaced its first without a word."""
+    good = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    text = yaml.safe_dump(good, sort_keys=False)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text + "model: {factory: 'x:y'}\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:\d+:1: YAML error: 'model' is given twice in one mapping "
+                                          r"\(first on line 1\)"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(text.replace("tuning:\n", "tuning:\n  max_trials: 2\n  max_trials: 3\n", 1))
+    assert_clear_error(run("tune", str(nested)), "'max_trials' is given twice")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("plan: {conv: int8}\nengine: eager\nplan: {fc1: int8}\n")
+    config = write_yaml(tmp_path / "good.yaml", good)
+    result = run("apply", str(plan), "--config", str(config), "--out", str(tmp_path / "m.pt"))
+    assert_clear_error(result, f"Error: not a JSON or YAML plan file: {plan}:3:1: YAML error: 'plan' is given twice")
+    # A key set again over one merged in with `<<` is YAML's way to override it, no duplicate.
+    assert load_yaml("base: &b {a: 1, b: 2}\nmine: {<<: *b, a: 3}\n")["mine"] == {"a": 3, "b": 2}
 
 
 def test_unknown_key_names_the_field_path(tmp_path):

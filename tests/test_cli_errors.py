@@ -132,6 +132,15 @@ def test_tune_on_a_device_this_torch_lacks_says_so_before_opening_any_study(tmp_
     assert "study" not in result.output and not (tmp_path / "s.db").exists()
 
 
+def test_tune_worker_a_typo_of_workers_is_refused_with_the_option_it_meant(tmp_path):
+    """`tune c.yaml --worker` ran a hidden helper mode: it printed "worker 21799: 7 eval_fn calls", exit 0, and no
+    summary, no winner recorded."""
+    data = small_mnist(f"sqlite:///{tmp_path}/s.db")
+    result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)), "--worker")
+    assert_one_error_line(result, 2, "No such option '--worker'. Did you mean '--workers'?")
+    assert not (tmp_path / "s.db").exists()
+
+
 @pytest.mark.parametrize("command", [["list"], ["jobs"], ["tune", "CONFIG"]])
 def test_an_sqlite_storage_naming_a_folder_says_to_name_a_file_in_it(tmp_path, command):
     """It read "no study storage at ...: nothing was tuned or submitted there yet", or "no jobs in" it."""

@@ -33,7 +33,7 @@ from autotune.cli.base import (
 )
 from autotune.clone import clone
 from autotune.config import FileConfig, LatencyInput, TuningConfig, load_config
-from autotune.config.file import yaml_error
+from autotune.config.file import load_yaml, yaml_error
 from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import (
     CALLS_ITSELF,
@@ -46,7 +46,7 @@ from autotune.engines import (
     why_not_written,
     with_knobs,
 )
-from autotune.errors import PlanError
+from autotune.errors import PlanError, did_you_mean
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
@@ -119,14 +119,15 @@ def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallbac
 @click.option("--study-name", default=None, help="override tuning.study_name")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="processes tuning the study at once on this machine; they share max_trials")
-@click.option("--worker", is_flag=True, hidden=True, help="run trials only; the starting process reports")
+# A name no one types for `--workers`: a hidden `--worker` took that typo and ran a silent helper (no summary).
+@click.option("--as-helper", "helper", is_flag=True, hidden=True, help="run trials only; the starting process reports")
 @click.option("-v", "--verbose", is_flag=True, help="log every trial instead of a progress bar")
-def tune(config_path: str, storage: str | None, study_name: str | None, workers: int, worker: bool,
+def tune(config_path: str, storage: str | None, study_name: str | None, workers: int, helper: bool,
          verbose: bool) -> None:
     """Tune the model of a YAML CONFIG (resumes its study)."""
     started = time.monotonic()
     # A terminal's Ctrl-C reaches the helper processes too: the starting process says it, once.
-    click.get_current_context().meta[QUIET_INTERRUPT] = worker
+    click.get_current_context().meta[QUIET_INTERRUPT] = helper
     config = load_config(config_path)
     tuning = config.tuning.model_copy()
     if storage:
@@ -135,7 +136,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
         tuning.study_name = study_name
     model = config.build_model()
     eval_fn = config.evaluation.build()
-    if worker:
+    if helper:
         runner = start_runner(model, tuning, eval_fn, config.build_example_inputs(), run_fn=config.build_run_fn())
         search(runner, started)
         click.echo(f"worker {os.getpid()}: {counted(runner.eval_calls, 'eval_fn call')}")
@@ -147,7 +148,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     done = done or 0
     click.echo(f"study {name!r} in {shown(tuning.storage)}: {state}"
                + (f"; {workers} workers" if workers > 1 else ""))
-    command = [sys.executable, "-m", "autotune", "tune", config_path, "--worker", "--storage", tuning.storage,
+    command = [sys.executable, "-m", "autotune", "tune", config_path, "--as-helper", "--storage", tuning.storage,
                "--study-name", name]
     helpers = [subprocess.Popen(command, preexec_fn=_interrupted_with_parent if sys.platform == "linux" else None)
                for _ in range(workers - 1)]
@@ -284,6 +285,11 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
         click.echo(text, nl=False)
 
 
+# What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place and latency_inputs.
+PLAN_FILE_KEYS = ("study", "baseline_accuracy", "accuracy", "speedup", "engine", "knobs", "plan", NOISE_KEY, BUSY_KEY,
+                  "compile_in_place", "latency_inputs")
+
+
 @dataclass(frozen=True)
 class SavedPlan:
     plan: Plan
@@ -298,13 +304,16 @@ def read_plan(path: str) -> SavedPlan:
     knobs; a compiling engine compiles through torch.compile's wrapper)."""
     text = Path(path).read_text()
     try:
-        data = yaml.safe_load(text)  # YAML reads JSON too
+        data = load_yaml(text)  # YAML reads JSON too
     except yaml.YAMLError as exc:
         raise CliError(f"not a JSON or YAML plan file: {yaml_error(exc, path, text)}") from None
     plan = data.get("plan", data) if isinstance(data, dict) else data
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         raise CliError(f"{path}: expected a mapping of module name to dtype (or autotune export's output)")
     exported = data if "plan" in data else {}
+    if unknown := [key for key in exported if key not in PLAN_FILE_KEYS]:    # a misspelt engine was dropped unsaid
+        raise CliError(f"{path}: unknown key {unknown[0]!r}{did_you_mean(str(unknown[0]), PLAN_FILE_KEYS)}; a plan "
+                       f"file holds {', '.join(PLAN_FILE_KEYS)}")
     engine = exported.get("engine", "eager")
     if engine not in ENGINES:
         raise CliError(f"{path}: unknown engine {engine!r}; known: {sorted(ENGINES)}")
@@ -337,6 +346,9 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
     if Path(out).suffix == ".pt2" and applied.engine != "compiled":
         raise CliError(f"{out}: the {applied.engine} engine saves the model with torch.save, which "
                        "torch.export.load cannot read: name it .pt (.pt2 is for the compiled engine's exported graph)")
+    if Path(out).suffix != ".pt2" and applied.engine == "compiled":    # a .pt, which a user hands to torch.load
+        raise CliError(f"{out}: the compiled engine saves the model as a torch.export graph, which torch.load cannot "
+                       f"read: name it {Path(out).with_suffix('.pt2').name} (torch.export.load reads it)")
     partial = Path(out).with_name(Path(out).name + ".partial")   # a file cut short is never left at `out`
     try:
         loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))

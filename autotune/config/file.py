@@ -337,10 +337,34 @@ def yaml_error(exc: yaml.YAMLError, source: str, text: str) -> str:
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+        kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        return f"{where}: {kind}: {exc.problem or exc.context}"
     if isinstance(exc, yaml.reader.ReaderError):
         return f"{_where(source, text, exc.position)}: YAML syntax error: character {exc.character!r} is not allowed"
     return f"{source}: YAML error: {' '.join(str(exc).split())}"
+
+
+class _OneOfEachKey(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping: pyyaml keeps the last without a word, so a
+    second `model:` or `tuning:` dropped the first's settings. A key overriding one merged in with `<<` is fine."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping (first on line {first[key].line + 1})",
+                    key_node.start_mark)
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load of `text` (YAML or JSON), but a key given twice in one mapping is a yaml.YAMLError."""
+    return yaml.load(text, Loader=_OneOfEachKey)
 
 
 def read_yaml(text: str, source: str) -> dict:
@@ -350,7 +374,7 @@ def read_yaml(text: str, source: str) -> dict:
         ConfigError: naming `source` and the line of a syntax error, or saying the text is not a mapping.
     """
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(yaml_error(exc, source, text)) from None
     except RecursionError:
