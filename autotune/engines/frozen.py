@@ -119,18 +119,13 @@ class FrozenCompiled(nn.Module):
         if self.unfrozen is not None:
             self.unfreezable.add(shapes)
             return
-        global _said_unfrozen
-        log.log(logging.INFO if _said_unfrozen else logging.WARNING, "compiled engine: inductor cannot freeze this "
-                "model for a dynamic batch (input shapes %s: %s); it is compiled frozen for each shape apart, up to "
-                "%d, and without freezing (int8 kernels dequantised) for others", list(shapes), describe(exc),
-                STATIC_SHAPES)
-        _said_unfrozen = True
+        # INFO: it is said at a call, in a process serving a saved model too, where nothing can be done of it.
+        log.info("compiled engine: inductor cannot freeze this model for a dynamic batch (input shapes %s: %s); it is "
+                 "compiled frozen for each shape apart, up to %d, and without freezing (int8 kernels dequantised) for "
+                 "others", list(shapes), describe(exc), STATIC_SHAPES)
         self.kept, self.frozen_shapes = self.frozen_shapes, set()
         self.frozen = compile_model(_Calls(self.built[0]), dynamic=False, options=self.options)
         self.unfrozen = compile_model(_Calls(self.built[0]), options=self.options)
-
-
-_said_unfrozen = False   # the first model freezing fails on is warned of; later ones logged at INFO
 
 
 def _copied_if_floating(tensor: torch.Tensor) -> torch.Tensor:

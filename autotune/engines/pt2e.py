@@ -237,11 +237,12 @@ class CompiledEngine:
     def save(self, built: nn.Module, inputs, path: str) -> str:
         with open(path, "wb") as out:
             layout = write_graph(built, inputs, out)
+        copies = (" on copies of the inputs you keep (its int8 linear fused with a residual add can write the sum "
+                  "into an input)" if _may_hold_linear(built) else "")
         return ("import torchao.quantization.pt2e.quantize_pt2e (it registers the int8 ops), then "
                 "torch.compile(torch.export.load(path).module(), dynamic=False), called with "
                 "torch._inductor.config.freezing = True (inductor then runs int8 kernels; it cannot freeze some such "
-                "graphs for a dynamic batch, so each batch size compiles apart) on copies of the inputs you keep "
-                "(its int8 linear fused with a residual add can write the sum into an input), as eval_fn called the "
+                f"graphs for a dynamic batch, so each batch size compiles apart){copies}, as eval_fn called the "
                 f"model: ({layout})")
 
     def load(self, path: str) -> nn.Module:
@@ -249,6 +250,14 @@ class CompiledEngine:
         output_types_registered()
         with open(path, "rb") as saved:
             return read_graph(saved)
+
+
+def _may_hold_linear(built: nn.Module) -> bool:
+    """Whether the converted graph calls a linear (where it is no graph: whether it may)."""
+    graph = getattr(built, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return True
+    return any(node.op == "call_function" and node.target is torch.ops.aten.linear.default for node in graph.nodes)
 
 
 class SavedAsExported(FrozenCompiled):
