@@ -296,21 +296,30 @@ def test_a_job_reads_its_variables_once_and_leaves_the_storage_field_to_the_work
     assert config.tuning.study_name == "cost$HOME"
 
 
-def test_jobs_gives_a_reason_too_long_for_its_table_in_full_below_it(tmp_path):
-    """The table cut a failed job's reason mid-word, and nothing showed the rest."""
+def test_jobs_cuts_a_long_reason_and_gives_it_in_full_for_the_job_asked_about(tmp_path):
+    """The table cut a failed job's reason mid-word, and nothing showed the rest; then every listing repeated every
+    old failure's reason in full below the table."""
     from click.testing import CliRunner
 
     from autotune.cli import main
     from autotune.cli.service_commands import REASON_WIDTH
     url = f"sqlite:///{tmp_path}/jobs.db"
     queue = JobQueue(open_storage(url))
-    long_reason = "eval_fn failed at the fp32 baseline: " + "the dataset server answered 503 " * 5
+    long_reason = "eval_fn failed at the fp32 baseline:\n" + "the dataset server answered 503 " * 5
     assert len(long_reason) > REASON_WIDTH
     queue.end(queue.submit("model: {}", str(tmp_path), "long.yaml"), "failed", long_reason)
     queue.end(queue.submit("model: {}", str(tmp_path), "short.yaml"), "failed", "a short reason")
     listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
-    assert f"job 1: {long_reason}" in listed and long_reason[:REASON_WIDTH - 1] + "…" in listed
-    assert "a short reason" in listed and "job 2:" not in listed
+    one_line = " ".join(long_reason.split())
+    assert one_line[:REASON_WIDTH - 1] + "…" in listed and long_reason not in listed and "a short reason" in listed
+    assert "reasons cut short: `autotune jobs JOB` gives job 1's in full" in listed
+    first = CliRunner().invoke(main, ["jobs", "1", "--storage", url])
+    assert first.exit_code == 0 and first.output.endswith(f"reason:\n{long_reason}\n"), first.output
+    assert "short.yaml" not in first.output and "live workers" not in first.output
+    second = CliRunner().invoke(main, ["jobs", "2", "--storage", url]).output
+    assert "a short reason" in second and "reason:\n" not in second
+    missing = CliRunner().invoke(main, ["jobs", "3", "--storage", url])
+    assert missing.exit_code != 0 and "Error: no job 3 in this storage; `autotune jobs` lists them" in missing.output
 
 
 def test_the_trials_left_to_run_after_a_search_start_none_once_the_job_is_cancelled():

@@ -96,31 +96,41 @@ def _progress(storage, study_name: str | None) -> tuple[str, str]:
     return str(len(studies.evaluated_trials(study))), f"{1 / ratio:.2f}x (in trial)" if passing else "-"
 
 
-REASON_WIDTH = 100   # a job's reason in the table; a longer one is given in full below it
+REASON_WIDTH = 100   # a job's reason in the table; `jobs JOB` gives a longer one in full
 
 
 @main.command()
+@click.argument("job_id", metavar="[JOB]", type=int, required=False)
 @storage_option
-def jobs(storage: str) -> None:
-    """Jobs with their state, trials done and best speedup so far."""
+def jobs(job_id: int | None, storage: str) -> None:
+    """Jobs with their state, trials done and best speedup so far; with JOB, that one with its reason in full."""
     if missing_sqlite(storage):    # nothing submitted there yet: an empty queue, not an error
         click.echo(f"no jobs in {shown(storage)}")
         return
     rdb = open_existing_storage(storage)
     rows = [["job", "state", "priority", "config", "submitted UTC", "by", "study", "trials", "best", "reason"]]
-    cut: list[str] = []     # reasons too long for the table, in full below it
     queue = JobQueue(rdb)
     live = queue.live_workers()
-    for job in queue.all():
+    listed = [queue.get(job_id)] if job_id is not None else queue.all()
+    cut = []     # jobs whose reason is too long for the table
+    for job in listed:
         trials, best = _progress(rdb, job.study_name)
         reason = " ".join((job.reason or "").split())    # one line in the table (a config error's has several)
         if len(reason) > REASON_WIDTH:
-            cut.append(f"job {job.id}: {job.reason}")
+            cut.append(str(job.id))
             reason = reason[:REASON_WIDTH - 1] + "…"
         rows.append([str(job.id), _state(job, live), str(job.priority), job.config_name,
                      job.submitted_at.strftime("%Y-%m-%d %H:%M"), job.submitted_by, job.study_name or "-",
                      trials, best, reason])
-    click.echo("\n".join([table(rows), *cut]) if len(rows) > 1 else f"no jobs in {shown(storage)}")
+    if len(rows) == 1:
+        click.echo(f"no jobs in {shown(storage)}")
+    elif job_id is not None:
+        click.echo(table(rows) + (f"\nreason:\n{listed[0].reason}" if cut else ""))
+        return
+    else:
+        click.echo(table(rows))
+        if cut:    # in full, each would be repeated at every listing for as long as its job is kept
+            click.echo(f"reasons cut short: `autotune jobs JOB` gives job {', '.join(cut)}'s in full")
     click.echo(f"live workers: {len(live)}" + "".join(
         f"\n  {worker.id} (--allow {' '.join(worker.allow)})" + (f" on job {worker.job_id}" if worker.job_id else "")
         for worker in live))
