@@ -430,7 +430,14 @@ def test_a_queued_job_another_live_worker_allows_is_left_queued_for_it_and_jobs_
             f"autotune.workloads.*): left for workers that allow them ({allowed})")
         listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
         assert listed.endswith(f"live workers: 1\n  {allowed} (--allow resume_workload:*)\n"), listed
+        assert re.search(rf"^{job}\s+queued\s+\d+ ", listed, re.M), listed
     assert queue.live_workers() == []     # it left the queue's workers as it stopped
+    # The worker it was left for stopped: `jobs` says that none will take it, where it read plain `queued`.
+    listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
+    assert re.search(rf"^{job}\s+queued \(no live worker\)", listed, re.M), listed
+    with queue.serving(("autotune.workloads.*",)):
+        listed = CliRunner().invoke(main, ["jobs", "--storage", url]).output
+        assert re.search(rf"^{job}\s+queued \(no live worker allows it\)", listed, re.M), listed
     assert Worker(storage, url).run(exit_when_idle=True) == 1
     assert queue.get(job).state == "failed" and queue.get(job).reason.endswith("; no live worker allows them")
 

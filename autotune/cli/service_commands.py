@@ -12,9 +12,10 @@ import optuna
 
 from autotune.cli.base import main, missing_sqlite, open_existing_storage, storage_option
 from autotune.config.file import check_without_imports, read_yaml
+from autotune.errors import ConfigError
 from autotune.result import best_speedup, counted, table
-from autotune.service.jobs import FINISHING, OPEN, RUNNING, Job, JobQueue, LiveWorker
-from autotune.service.worker import DEFAULT_ALLOW, Worker
+from autotune.service.jobs import FINISHING, OPEN, QUEUED, RUNNING, Job, JobQueue, LiveWorker
+from autotune.service.worker import DEFAULT_ALLOW, Worker, allowing, import_paths
 from autotune.storage import study as studies
 from autotune.storage.rdb import open_storage, open_storage_once_up, shown
 
@@ -137,12 +138,26 @@ def jobs(job_id: int | None, storage: str) -> None:
 
 
 def _state(job: Job, live: list[LiveWorker]) -> str:
-    """A running job's state with the live workers on it: a job whose workers were all stopped (Ctrl-C, killed)
-    stays running until a worker takes it up again, and read as if it were being worked on."""
+    """A job's state, with the live workers it waits for: a running job whose workers were all stopped (Ctrl-C,
+    killed) stays running until a worker takes it up again, and read as if it were being worked on; a queued job
+    that no live worker may run (the one it was left for stopped) read as if one would take it next."""
+    if job.state == QUEUED:
+        return f"{job.state} ({_waits_for(job, live)})" if _waits_for(job, live) else job.state
     if job.state not in (RUNNING, FINISHING):
         return job.state
     on_it = sum(worker.job_id == job.id for worker in live)
     return f"{job.state} ({counted(on_it, 'worker')})" if on_it else f"{job.state} (no live worker)"
+
+
+def _waits_for(job: Job, live: list[LiveWorker]) -> str | None:
+    """Why no live worker will take a queued job, or None where one may."""
+    if not live:
+        return "no live worker"
+    try:
+        named = import_paths(read_yaml(job.config_yaml, f"job {job.id}"))
+    except ConfigError:
+        return None      # a worker fails it with its reason
+    return None if allowing(named, live) else "no live worker allows it"
 
 
 @main.command()

@@ -28,7 +28,18 @@ from autotune.errors import AutotuneError
 from autotune.plan import summarize
 from autotune.result import best_speedup
 from autotune.search.trials import TrialRunner, fail_stale_trials
-from autotune.service.jobs import CANCELLED, DONE, FAILED, FINISH_LEASE, FINISHING, QUEUED, RUNNING, Job, JobQueue
+from autotune.service.jobs import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINISH_LEASE,
+    FINISHING,
+    QUEUED,
+    RUNNING,
+    Job,
+    JobQueue,
+    LiveWorker,
+)
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
 from autotune.storage.rdb import lost_connection, open_storage, wait_until_reachable
@@ -69,6 +80,11 @@ def refused_paths(named: list[tuple[str, str]], allow: tuple[str, ...]) -> list[
     allows "mypkg:model" too, as a user reads it)."""
     return [f"{field}: {path}" for field, path in named
             if not any(fnmatchcase(name, pattern) for pattern in allow for name in (path, path.replace(":", ".")))]
+
+
+def allowing(named: list[tuple[str, str]], workers: list[LiveWorker]) -> list[LiveWorker]:
+    """The `workers` whose --allow patterns match every (field, import path) `named`."""
+    return [worker for worker in workers if not refused_paths(named, worker.allow)]
 
 
 def check_allowed(data: dict, allow: tuple[str, ...]) -> None:
@@ -147,12 +163,11 @@ class Worker:
         allows is left queued for it (a pool of workers with `--allow "mypkg.*"` beside default ones), and one a
         worker runs already is left to it: failing it would end that worker's work too."""
         if job.found == QUEUED:
-            allowing = [worker.id for worker in self.queue.live_workers()
-                        if worker.id != self.id and not refused_paths(refused.named, worker.allow)]
-            if not allowing:
+            others = [worker for worker in self.queue.live_workers() if worker.id != self.id]
+            if not (allowed_by := [worker.id for worker in allowing(refused.named, others)]):
                 self._fail(job, f"{refused}; no live worker allows them")
                 return
-            self.queue.requeue(job.id, f"{refused}: left for workers that allow them ({', '.join(allowing)})")
+            self.queue.requeue(job.id, f"{refused}: left for workers that allow them ({', '.join(allowed_by)})")
         self.leaving.add(job.id)
         log.info("job %d: %s; left to workers that allow them", job.id, refused)
 
