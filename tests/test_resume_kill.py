@@ -148,6 +148,11 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
     retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == interrupted.number]
     assert len(retries) == 1 and retries[0].params == interrupted.params
     assert retries[0].state == TrialState.COMPLETE and retries[0].user_attrs.get("evaluated")
+    # Where it ran once the search had stopped, the log says why ("search stopped: patience", then it ran, unsaid).
+    retried_at, stopped_at = output.find(f"trial {retries[0].number} ["), output.find("search stopped:")
+    assert retried_at != -1, output
+    assert (stopped_at == -1 or retried_at < stopped_at or "a plan queued again when its trial stopped mid-run is "
+            "tried, the search stopped or not" in output[stopped_at:retried_at]), output
 
     complete = evaluated_complete(resumed)
     plans = [plan_of(t) for t in complete]

@@ -2,13 +2,14 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 
 import numpy as np
 import optuna
 import pytest
 import torch
 from test_tuner_trials import INPUTS as WIDE_INPUTS
-from test_tuner_trials import wide_model
+from test_tuner_trials import fidelity_eval, wide_model
 from torch import nn
 
 from autotune import ConfigError, EvalFunctionError, MixedPrecisionConfig, NoTunableModulesError, TuningConfig, autotune
@@ -104,6 +105,61 @@ def test_eval_fn_raising_on_the_baseline_says_so(storage):
         raise RuntimeError("dataset missing")
     with pytest.raises(EvalFunctionError, match="fp32 baseline evaluation failed.*RuntimeError: dataset missing"):
         autotune(small_model(), config(storage), eval_fn)
+
+
+def scaled_after_scoring(model):
+    with torch.no_grad():
+        score = model(INPUTS).abs().mean().item()
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    return score
+
+
+def first_replaced_after_scoring(model):
+    with torch.no_grad():
+        score = model(INPUTS).abs().mean().item()
+    model[0] = nn.Identity()
+    return score
+
+
+@pytest.mark.parametrize("eval_fn, changed", [(scaled_after_scoring, "0.weight's values changed; 0.bias's values "
+                                                                     "changed; 2.weight's values changed; and 1 more"),
+                                              (first_replaced_after_scoring, "0.weight is no longer in it; 0.bias is "
+                                                                             "no longer in it")])
+def test_an_eval_fn_that_changes_the_model_it_scores_is_stopped_at_the_baseline(storage, eval_fn, changed):
+    """The model eval_fn scored is timed and handed back: one whose weights it scaled after scoring was handed back
+    scoring 0.853 where 0.9435 was reported, and one whose Linear it replaced made the winner's timing raise."""
+    model = small_model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(EvalFunctionError, match=re.escape(
+            f"the fp32 baseline evaluation failed, so no trial was run: eval_fn changed the model it was given "
+            f"({changed}): the model it scores is the one timed and handed back, so it must leave it as it found it")):
+        autotune(model, config(storage), eval_fn, example_inputs=INPUTS)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_plan_whose_model_eval_fn_changed_fails_and_its_finalist_is_not_handed_back(storage):
+    """An eval_fn changing only some models (here each int8 one after the first two) fails the trial or finalist it
+    changed, with the reason, and what is handed back scores as reported."""
+    model = wide_model()
+    fidelity = fidelity_eval(model)
+    int8_calls = []
+
+    def eval_fn(net):
+        score = fidelity(net)
+        if any(isinstance(module, DynamicInt8Linear) for module in net.modules()):
+            int8_calls.append(net)
+            if len(int8_calls) > 2:
+                with torch.no_grad():
+                    for parameter in net.parameters():
+                        parameter.mul_(1.5)
+        return score
+    tuning = config(storage, engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                    tolerable_loss=0.05)
+    result = autotune(model, tuning, eval_fn, example_inputs=WIDE_INPUTS)
+    outcomes = result.study.user_attrs["autotune.finalist_evaluated"]
+    assert len(int8_calls) > 2 and any("eval_fn changed the model it was given" in said for said in outcomes.values())
+    assert fidelity(result.model) == pytest.approx(result.best.accuracy)
 
 
 def test_a_worker_joining_a_study_whose_baseline_failed_stops_at_its_first_trial(storage):

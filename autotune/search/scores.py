@@ -29,6 +29,7 @@ from autotune.errors import ConfigError, EvalFunctionError
 from autotune.measure.shapes import time_weighted
 from autotune.storage import study as studies
 from autotune.storage.claims import lease
+from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
 
@@ -54,6 +55,65 @@ def score_of(value: Any) -> float:
     return float(value)
 
 
+# Sums of one tensor's values may differ by rounding alone where they are reduced otherwise (an eval_fn that sets
+# torch's thread count): a change smaller than this share of its values' absolute sum is none.
+ROUNDING = 1e-9
+
+
+def _parameter_sums(model: nn.Module) -> dict[int, tuple[str, tuple[float, float] | None]]:
+    """Each parameter by identity: its name, the sum of its values and of their absolute values (None where it
+    cannot be summed, a lazy module's before its first call). Identity, not names: a compiled model may register its
+    modules again under new names as it runs (engines.frozen's step down), and its parameters stay the same objects."""
+    sums = {}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            try:
+                total: tuple[float, float] | None = (
+                    parameter.sum(dtype=torch.float64).item(),
+                    torch.linalg.vector_norm(parameter, 1, dtype=torch.float64).item())
+            except Exception:  # any tensor subclass or uninitialised parameter: not compared
+                total = None
+            sums[id(parameter)] = (name, total)
+    return sums
+
+
+def _differ(before: tuple[float, float] | None, after: tuple[float, float] | None) -> bool:
+    if before is None or after is None:
+        return False
+    if any(math.isnan(value) for value in (*before, *after)):
+        return any(math.isnan(a) != math.isnan(b) for a, b in zip(before, after))
+    scale = ROUNDING * max(before[1], after[1])
+    return abs(before[0] - after[0]) > scale or abs(before[1] - after[1]) > scale
+
+
+def _changes_to(model: nn.Module, before: dict[int, tuple[str, tuple[float, float] | None]]) -> list[str]:
+    """What differs in `model` from its `before` (_parameter_sums): parameters gone (their module replaced or
+    removed) and parameters whose values changed."""
+    after = _parameter_sums(model)
+    gone = [name for key, (name, _) in before.items() if key not in after]
+    moved = [name for key, (name, sums) in before.items() if key in after and _differ(sums, after[key][1])]
+    return [*(f"{name} is no longer in it" for name in gone), *(f"{name}'s values changed" for name in moved)]
+
+
+def _left_unchanged(model: nn.Module, before: dict[int, tuple[str, tuple[float, float] | None]]) -> None:
+    """Raises EvalFunctionError where eval_fn changed `model`: what it scored is what is timed and handed back."""
+    if changes := _changes_to(model, before):
+        said = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+        raise EvalFunctionError(f"eval_fn changed the model it was given ({said}): the model it scores is the one "
+                                "timed and handed back, so it must leave it as it found it (change a copy, "
+                                "copy.deepcopy(model), where it needs to)")
+
+
+def scored(eval_fn: Callable[[nn.Module], Any], model: nn.Module, seconds: float | None) -> float:
+    """eval_fn's score of `model` (score_of), within `seconds`. Raises EvalFunctionError where eval_fn changed the
+    model's parameters: an eval_fn scaling every weight after scoring had a model scoring 0.853 handed back as
+    0.9435, and one replacing a Linear made the winner's timing crash."""
+    before = _parameter_sums(model)
+    score = score_of(call_with_timeout(eval_fn, model, seconds))
+    _left_unchanged(model, before)
+    return score
+
+
 @contextmanager
 def failing_as_the_baseline() -> Iterator[None]:
     """Reports any failure of eval_fn on the fp32 model (its inputs' capture included) as the baseline's."""
@@ -72,8 +132,11 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
     first batches eval_fn fed it; what its calls were like goes to `how`, where given. Without `captures_inputs`
     (example_inputs are what the tuner runs the model on), eval_fn need not call the model's forward itself."""
     with failing_as_the_baseline():
-        returned, batches = run_capturing(clone(fp32), eval_fn, stop_early=False, how=how, required=captures_inputs)
+        model = clone(fp32)
+        before = _parameter_sums(model)
+        returned, batches = run_capturing(model, eval_fn, stop_early=False, how=how, required=captures_inputs)
         baseline = score_of(returned)
+        _left_unchanged(model, before)
     if config.loss_kind == "relative" and baseline == 0:
         # A loss relative to a baseline of 0 is infinite for any drop: every plan would fail for that alone.
         raise ConfigError("loss_kind: the fp32 model scored exactly 0, so a loss relative to it is infinite for any "

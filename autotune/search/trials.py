@@ -31,11 +31,10 @@ from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
 from autotune.search.guided import Status
-from autotune.search.scores import score_of, study_baseline
+from autotune.search.scores import scored, study_baseline
 from autotune.search.space import SearchSpace
 from autotune.storage import study as studies
 from autotune.storage.claims import PlanClaims, lease
-from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
 EvalFn = Callable[[nn.Module], Any]
@@ -199,7 +198,7 @@ class TrialRunner:
         tuned = apply_plan(self.fp32, plan, self.calibration, self.variants)
         self.eval_calls += 1
         try:
-            accuracy = score_of(call_with_timeout(self.eval_fn, tuned, self.config.trial_timeout))
+            accuracy = scored(self.eval_fn, tuned, self.config.trial_timeout)
         except Exception as exc:  # the user's code: any failure fails this trial only
             self.failed.add(key)
             trial.set_user_attr("fail_reason", f"{type(exc).__name__}: {exc}"[:2000])
@@ -346,6 +345,7 @@ class TrialRunner:
                 return
             view = self.refresh()     # read without the turn: workers still searching need it to start trials
             if view.waiting:
+                log.info("a plan queued again when its trial stopped mid-run is tried, the search stopped or not")
                 self.start_next(queued_only=True)
             elif not view.running:
                 return

@@ -19,10 +19,9 @@ from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
 from autotune.search.finalist_plans import fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
-from autotune.search.scores import score_of
+from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
-from autotune.timeout import call_with_timeout
 
 log = logging.getLogger("autotune")
 
@@ -170,7 +169,7 @@ def _scored_again(runner: TrialRunner, finalist: Finalist, name: str) -> float |
     where 1 % was tolerable, with its old scores shown as current."""
     runner.eval_calls += 1
     with as_eval_fn_calls(runner):
-        accuracy = score_of(call_with_timeout(runner.eval_fn, finalist.runnable, _timeout(runner.config, finalist)))
+        accuracy = scored(runner.eval_fn, finalist.runnable, _timeout(runner.config, finalist))
     loss = runner.config.accuracy_loss(runner.baseline, accuracy)
     if runner.config.passes(runner.baseline, accuracy):
         return accuracy
@@ -191,7 +190,7 @@ def _scored_as_recorded(runner: TrialRunner) -> bool:
     config, recorded = runner.config, runner.baseline
     runner.eval_calls += 1
     with as_eval_fn_calls(runner):
-        score = score_of(call_with_timeout(runner.eval_fn, runner.fp32, config.trial_timeout))
+        score = scored(runner.eval_fn, runner.fp32, config.trial_timeout)
     if score == recorded:
         return False
     said = (f"eval_fn scores the fp32 model {score:.6g} where study {runner.study.study_name!r} recorded "
@@ -235,7 +234,7 @@ class _Verdicts:
         self.rejected[numerics] = name    # until it passes
         self.runner.eval_calls += 1
         try:
-            accuracy = score_of(call_with_timeout(self.runner.eval_fn, finalist.runnable, _timeout(config, finalist)))
+            accuracy = scored(self.runner.eval_fn, finalist.runnable, _timeout(config, finalist))
         except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
             log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
             self.note(name, f"eval_fn failed: {describe(exc)}")
