@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import optuna
+import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
@@ -19,12 +20,16 @@ from autotune.capture import module_calls, record_module_inputs
 from autotune.config.tuning import TuningConfig
 from autotune.discovery import module_groups
 from autotune.measure import module_latency as per_module
+from autotune.measure.host_load import contended, other_work
 from autotune.measure.latency import LatencyStats, measure_latency
 from autotune.measure.sensitivity import module_sensitivity
 from autotune.measure.shapes import PerModule, Shape, combine_module_latency
 from autotune.storage import study as studies
 
 log = logging.getLogger("autotune")
+SIGNALS_CONTENDED = ("other processes kept the CPUs busy (%.1f CPUs' worth) while each module was timed alone: the "
+                     "dtypes pruned from the search, and its predictions, rest on those timings; tune on a quiet "
+                     "machine, or set num_threads to leave cores free")
 
 
 class Measurer(Protocol):
@@ -53,9 +58,14 @@ class DeviceMeasurer:
 
     def module_latency(self, fp32, candidates, inputs, calibration):
         timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads)
-        latency = per_module.module_latency(fp32, candidates, calibration, **timing)
-        return per_module.confirm_in_context(fp32, candidates, latency, inputs, calibration,
-                                             warmup=self.config.warmup, **timing)
+        with other_work() as others:
+            latency = per_module.module_latency(fp32, candidates, calibration, **timing)
+            confirmed = per_module.confirm_in_context(fp32, candidates, latency, inputs, calibration,
+                                                      warmup=self.config.warmup, **timing)
+        threads = self.config.num_threads or torch.get_num_threads()
+        if torch.device(self.config.device).type == "cpu" and others and contended(others[0], threads):
+            log.warning(SIGNALS_CONTENDED, others[0])
+        return confirmed
 
     def latency(self, models, inputs, repeats, warmup=None):
         return measure_latency(models, inputs, warmup=self.config.warmup if warmup is None else warmup,
