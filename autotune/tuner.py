@@ -40,7 +40,7 @@ from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
-from autotune.result import BUSY_KEY, CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult
+from autotune.result import BUSY_KEY, CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult, counted
 from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
 from autotune.search.space import SearchSpace
@@ -196,7 +196,16 @@ def _record_settings(study, config: TuningConfig, device: torch.device, fp32: nn
     dtype the model was handed over in, and the config's latency_inputs (for export; bench times them)."""
     allocation = allocation_while_timing(config.steady_allocation)
     log.info("%s", allocation)
-    studies.set_attr(study, "settings", run_settings(config, device, allocation))
+    settings, earlier = run_settings(config, device, allocation), studies.get_attr(study, "settings") or {}
+    before = [*earlier.get("num_threads_earlier", []), *([earlier["num_threads"]] if "num_threads" in earlier else [])]
+    if changed := sorted({threads for threads in before if threads != settings["num_threads"]}):
+        # Its signals and trials' ratios were timed at those: int8's and bf16's gain over fp32 differ with threads.
+        log.warning("study %r holds timings taken on %s; this run times on %s, and its latency ratios are compared "
+                    "with those (num_threads: %s keeps them alike)", study.study_name,
+                    " and ".join(counted(threads, "thread") for threads in changed),
+                    counted(settings["num_threads"], "thread"), changed[-1])
+        settings["num_threads_earlier"] = changed
+    studies.set_attr(study, "settings", settings)
     studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
     if config.latency_inputs and not any(callable(entry.factory) for entry in config.latency_inputs):
         studies.set_attr(study, studies.LATENCY_INPUTS_ATTR,

@@ -68,6 +68,39 @@ def test_a_named_study_resumed_with_another_accuracy_requirement_is_refused_with
         tune(sim, sim.model(), storage, study_name="mine", tolerable_loss=0.05)
 
 
+def test_a_named_study_resumed_with_another_objective_is_refused_naming_both(storage):
+    """It said "was made for another objective (1 objectives)"."""
+    sim = SimWorkload(6, eval_cost_s=0)
+    tune(sim, sim.model(), storage, study_name="mine")
+    config = TuningConfig(engines=["eager"], max_trials=4, repeats=3, storage=storage, study_name="mine",
+                          objective="pareto")
+    with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was made for objective latency, not pareto; "
+                                                 r"use another study_name"):
+        autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+
+
+def test_a_study_resumed_on_another_thread_count_is_warned_of_and_the_report_names_both(storage, caplog):
+    """A study tuned on 1 thread and resumed on 2 said nothing, and its report read "threads while timing: 2" for
+    trials all timed on 1."""
+    import logging
+
+    from autotune.report import html_report
+    sim = SimWorkload(6, eval_cost_s=0)
+
+    def run(threads, max_trials):
+        config = TuningConfig(engines=["eager"], max_trials=max_trials, repeats=3, storage=storage,
+                              study_name="mine", num_threads=threads)
+        return autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+    run(1, 3)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = run(2, 5)
+    assert ("study 'mine' holds timings taken on 1 thread; this run times on 2 threads, and its latency ratios are "
+            "compared with those (num_threads: 1 keeps them alike)") in caplog.text
+    settings = result.study.user_attrs["autotune.settings"]
+    assert settings["num_threads"] == 2 and settings["num_threads_earlier"] == [1]
+    assert "threads while timing in earlier runs" in html_report(result.study)
+
+
 def test_a_tuned_study_run_again_on_data_that_scores_otherwise_is_refused_not_handed_back(storage, caplog):
     """The study is named after the model and config, not eval_fn's data: run again on other data, it handed back
     the plan judged against the old scores, with the old baseline score as the baseline's, in no eval_fn call."""

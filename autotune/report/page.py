@@ -140,6 +140,7 @@ def finalists_section(setup_s: dict[str, float], race: dict[str, float], evaluat
 
 
 SETTING_LABELS = {"device": "device", "device_name": "device name", "num_threads": "threads while timing",
+                  "num_threads_earlier": "threads while timing in earlier runs (trials timed then kept their ratios)",
                   "allocation": "memory allocation while timing",
                   "warmup": "warm-up calls",
                   "repeats": "most timing rounds per model in a trial (fewer once the comparison settles)",

@@ -126,8 +126,9 @@ def open_study(config: TuningConfig, study_name: str, candidates: dict[str, list
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler,
                                 directions=directions, load_if_exists=True)
     if len(study.directions) != len(directions):
-        raise StudyMismatchError(f"study {study_name!r} in {shown(config.storage)} was made for another objective "
-                                 f"({len(study.directions)} objectives); use another study_name")
+        made_for = "latency" if len(study.directions) == 1 else "pareto"    # its one or two directions
+        raise StudyMismatchError(f"study {study_name!r} in {shown(config.storage)} was made for objective "
+                                 f"{made_for}, not {config.objective}; use another study_name")
     stored = _recorded(study, "candidates", candidates)
     if stored != candidates:
         raise StudyMismatchError(
