@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from autotune.errors import ConfigError, describe
+from autotune.errors import ConfigError, EvalFunctionError, describe
 
 
 class DatasetSpec(Protocol):
@@ -76,8 +76,24 @@ def load_columns(evaluation: EvaluationSpec) -> tuple[tuple[torch.Tensor, ...], 
                                   f"{names} ({x[0].numel()} values)", [("evaluation.input_shape", "size mismatch")])
             x = x.reshape(len(x), *evaluation.input_shape)
         args, kwargs = (x.to(dtype),), {}
-    labels = column(evaluation.label)
-    return args, kwargs, labels.float() if evaluation.metric == "mse" else labels.long()
+    return args, kwargs, _labels(column(evaluation.label), evaluation)
+
+
+def _labels(labels: torch.Tensor, evaluation: EvaluationSpec) -> torch.Tensor:
+    """The label column as the metric compares it: floats for mse, class numbers else. A missing label (NaN) or,
+    for a class, a fractional one is a config error: `.long()` made NaN -9223372036854775808, a miss in every
+    model's score, without a word."""
+    where = [("evaluation.label", evaluation.label)]
+    if labels.is_floating_point():
+        if (missing := torch.isnan(labels).nonzero()).numel():
+            rows = ", ".join(str(row[0].item()) for row in missing[:5])
+            raise ConfigError(f"evaluation.label: column {evaluation.label!r} has {len(missing)} missing values "
+                              f"(rows {rows}{', ...' if len(missing) > 5 else ''}): drop those rows", where)
+        if evaluation.metric != "mse" and not torch.equal(labels, labels.round()):
+            raise ConfigError(f"evaluation.label: column {evaluation.label!r} holds fractional values, not class "
+                              f"numbers, which metric {evaluation.metric} compares; for a regression, metric: mse",
+                              where)
+    return labels.float() if evaluation.metric == "mse" else labels.long()
 
 
 def _columns(inputs: str | list[str] | dict[str, str]) -> list[str]:
@@ -115,6 +131,10 @@ def macro_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
 
 def score(metric: str, outputs: torch.Tensor, labels: torch.Tensor) -> float:
     if metric == "mse":
+        if outputs.numel() != labels.numel():
+            raise EvalFunctionError(f"metric mse compares one output per row with its label; the model gives "
+                                    f"{outputs.numel() // max(len(outputs), 1)} per row (shape "
+                                    f"{tuple(outputs.shape)}): class scores are compared with metric accuracy or f1")
         return torch.mean((outputs.float().reshape(labels.shape) - labels) ** 2).item()
     predicted = predicted_classes(outputs)
     if metric == "f1":

@@ -466,6 +466,12 @@ def test_metrics():
     ("text_labels", ["evaluation", "column 'label' is not numbers"]),
     ("not_parquet", ["evaluation.dataset.files: cannot read", "as parquet: ArrowInvalid"]),
     ("empty_csv", ["evaluation.dataset.files: cannot read", "as csv: EmptyDataError"]),
+    # A missing label read as NaN became -9223372036854775808 in .long(): a miss in every score, unsaid.
+    ("missing_label", ["evaluation.label: column 'label' has 1 missing values (rows 3): drop those rows"]),
+    ("fractional_labels", ["evaluation.label: column 'label' holds fractional values, not class numbers"]),
+    ("shape_with_mapping", ["evaluation: input_shape reshapes the one positional input"]),
+    ("mse_of_class_scores", ["the fp32 baseline evaluation failed", "metric mse compares one output per row with its "
+                             "label; the model gives 10 per row (shape (20, 10))"]),
 ])
 def test_a_dataset_the_evaluator_cannot_use_is_a_config_error_naming_it(tmp_path, mistake, named):
     """Mistakes a user makes in the built-in evaluator's section, each one `Error:` line, not an unexpected error."""
@@ -473,8 +479,12 @@ def test_a_dataset_the_evaluator_cannot_use_is_a_config_error_naming_it(tmp_path
 
     images = torch.rand(20, 64).numpy()
     labels = [str(i % 10) for i in range(20)] if mistake == "text_labels" else list(range(10)) * 2
+    if mistake == "missing_label":
+        labels[3] = None
+    elif mistake == "fractional_labels":
+        labels = [label + 0.5 for label in labels]
     datasets.Dataset.from_dict({"image": images, "label": labels}).to_parquet(str(tmp_path / "digits.parquet"))
-    files, shape = "digits.parquet", [1, 8, 8]
+    files, shape, extra = "digits.parquet", [1, 8, 8], {}
     if mistake == "input_shape":
         shape = [1, 7, 7]
     elif mistake == "zero_shape":
@@ -485,7 +495,12 @@ def test_a_dataset_the_evaluator_cannot_use_is_a_config_error_naming_it(tmp_path
     elif mistake == "empty_csv":
         (tmp_path / "empty.csv").write_text("")
         files = "empty.csv"
-    data = {**dataset_config(files, input_shape=shape), "tuning": {"storage": f"sqlite:///{tmp_path}/s.db"}}
+    elif mistake == "shape_with_mapping":
+        extra = {"inputs": {"x": "image"}}
+    elif mistake == "mse_of_class_scores":
+        extra, shape, images = {"metric": "mse"}, [1, 28, 28], torch.rand(20, 784).numpy()
+        datasets.Dataset.from_dict({"image": images, "label": labels}).to_parquet(str(tmp_path / "digits.parquet"))
+    data = {**dataset_config(files, input_shape=shape, **extra), "tuning": {"storage": f"sqlite:///{tmp_path}/s.db"}}
     result = run("tune", str(write_yaml(tmp_path / "c.yaml", data)))
     assert_clear_error(result, *named)
     assert "Generating train split" not in result.output     # datasets' progress bars

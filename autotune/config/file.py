@@ -196,6 +196,10 @@ class Evaluation(StrictModel):
             raise ValueError(f"{sorted(builtin_only)} belong to the built-in evaluator (dataset:), not to eval_fn")
         if self.dataset is not None and self.kwargs:
             raise ValueError("kwargs belong to eval_fn, not to the built-in evaluator")
+        if isinstance(self.inputs, dict) and self.input_shape is not None:   # it was dropped without a word
+            raise ValueError("input_shape reshapes the one positional input (inputs: a column or a list of them); "
+                             "with inputs as a mapping of keyword arguments, reshape in the model or give a column "
+                             "of rows already shaped")
         return self
 
     def build(self) -> Callable[[nn.Module], float]:
