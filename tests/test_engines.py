@@ -1616,6 +1616,8 @@ def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_pat
     assert again.exit_code == 0 and "finalists: compiling" not in again.output, again.output
     assert re.search(r"the study's best plan \(.+\) was recorded after its last trial: it is built and timed again",
                      again.output), again.output
+    # Patience counts the study's trials: after a stop on patience, a larger max_trials alone tried nothing more.
+    assert "a larger max_trials, or a larger patience where patience stopped it, searches on" in again.output
     assert re.search(r"finalist fp32 \(inductor\) built and compiled in \d+\.\d s", outputs[True]), outputs[True]
 
 

@@ -71,6 +71,8 @@ def test_a_trial_whose_eval_fn_raises_is_failed_with_its_reason_and_never_wins(s
     assert f"trial{'s' if len(failed) > 1 else ''} {numbers} failed: RuntimeError: kernel crashed on layer 1\n" \
         in shown.output, shown.output
     assert shown.output.count(" stopped\n") == 1 and "stopped: its process was interrupted or died" in shown.output
+    # An error is told from a plan that missed the tolerance (FAIL) otherwise than by case, as the report does.
+    assert shown.output.count(" error\n") == len(failed) and " fail\n" not in shown.output
 
 
 def test_the_users_model_is_untouched_when_tuning_raises(storage):

@@ -170,7 +170,7 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
             click.echo(f"search stopped: {stopped}")
             if (best := studies.standing_best(runner.study, tuning)) is not None:
                 click.echo(f"the study's best plan ({best.get('finalist', 'fp32')}) was recorded after its last "
-                           "trial: it is built and timed again, not chosen again (a larger max_trials searches on)")
+                           f"trial: it is built and timed again, not chosen again ({studies.SEARCHES_ON})")
             elif compiling := [engine for engine in tuning.engines if engine != "eager"]:
                 click.echo(f"finalists: compiling the best plans in {', '.join(compiling)} (seconds to minutes a "
                            "plan; -v names each), then timing them together")
@@ -204,8 +204,10 @@ def show(study_name: str, storage: str) -> None:
             outcome = "duplicate"
         elif trial.state == optuna.trial.TrialState.COMPLETE:
             outcome = "pass" if attrs.get("passed") else "FAIL"
-        elif trial.state == optuna.trial.TrialState.FAIL and "fail_reason" not in attrs:
-            outcome = "stopped"     # its process died or was interrupted mid-trial: the plan was queued again
+        elif trial.state == optuna.trial.TrialState.FAIL:
+            # "error": its eval_fn raised or its plan failed to run (said below), as the report says; beside the
+            # "FAIL" of a plan that missed the tolerance, a "fail" told them apart by case alone
+            outcome = "error" if "fail_reason" in attrs else "stopped"   # stopped: died mid-trial, plan queued again
         else:
             outcome = trial.state.name.lower()
         plan = studies.trial_plan(trial)

@@ -144,7 +144,7 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     rescored = _scored_as_recorded(runner)
     name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
     log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "
-             "timed again, not chosen again (`autotune bench` times it; a larger max_trials searches further)", name)
+             "timed again, not chosen again (`autotune bench` times it; %s)", name, studies.SEARCHES_ON)
     if is_baseline(best["plan"]) and best["engine"] == "eager" and not knobs:
         with as_eval_fn_calls(runner):
             by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32}, runner.shapes, runner.config.repeats)

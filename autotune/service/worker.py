@@ -232,7 +232,7 @@ class Worker:
         by = f" by job {earlier[-1]}" if earlier else ""
         plan = summarize(best["plan"], studies.kept_dtype(study))
         if self.queue.end(job.id, DONE, f"study {study_name} was already tuned{by}: its recorded best is kept, "
-                                        f"speedup {best_speedup(best)}, {plan}; a larger max_trials searches further"):
+                                        f"speedup {best_speedup(best)}, {plan}; {studies.SEARCHES_ON}"):
             log.info("job %d: study %s was already tuned%s; its recorded best is kept", job.id, study_name, by)
 
     def _fail(self, job: Job, reason: str) -> None:

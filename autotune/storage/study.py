@@ -305,6 +305,11 @@ def recorded_with(trials_evaluated: int, config: TuningConfig) -> dict:
     return {"trials": trials_evaluated, "engines": list(config.engines), "knobs": list(config.knobs)}
 
 
+# How a study whose best was recorded searches on: patience counts the study's trials, so after a stop on patience
+# a larger max_trials alone evaluates nothing more.
+SEARCHES_ON = "a larger max_trials, or a larger patience where patience stopped it, searches on"
+
+
 def standing_best(study: optuna.Study, config: TuningConfig) -> dict | None:
     """The study's recorded `best` where it still answers a run of `config`: no trial was evaluated since, and the
     engines and knobs configured are the same. None otherwise."""
