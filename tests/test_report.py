@@ -334,3 +334,56 @@ def test_what_the_tuner_stored_with_the_chosen_plan_reads_as_text_not_python(tun
     section = re.search(r"<h2 id='chosen'>.*?</table>", out.read_text(), re.S).group(0)
     assert "{" not in section and "['" not in section and "':" not in section, section
     assert re.search(r"<td>speedup by shape</td><td>-</td><td>[^<]*: \d+\.\d\dx</td>", section), section
+
+
+def test_every_link_of_the_page_leads_to_a_section_it_has(tuned, tmp_path):
+    """The navigation linked #plot, #history and #finalists on pages without them: a study with no timed trial has no
+    plot nor history, one with no finalist no finalists."""
+    _, out = tuned
+    for page in (out.read_text(), html_report(tuned_study(tmp_path).study)):
+        anchors = re.findall(r"<nav>(.*?)</nav>", page)[0]
+        targets = re.findall(r"href='#([\w-]+)'", anchors)
+        assert targets and all(f"id='{target}'" in page for target in targets), targets
+    result = tuned_study(tmp_path / "bare")
+    for attr in ("finalist_setup_s", "engines_dropped"):
+        studies.set_attr(result.study, attr, None)
+    page = html_report(result.study)
+    assert "id='finalists'" not in page and "href='#finalists'" not in page
+
+
+def test_speedups_are_said_timed_for_plans_that_passed_and_predicted_for_those_that_missed(tuned):
+    """A study timing its trials predicts the speedup of a plan that missed the tolerance (it cannot be chosen), yet
+    the legend said "missed tolerance: in-trial timing" and the caption that every point was timed."""
+    result, out = tuned
+    rows, _ = trial_rows(result.study)
+    assert any(not r.passed and r.error is None for r in rows)    # the fixture's misses
+    page = out.read_text()
+    assert "a plan that missed the tolerance was not timed (it cannot be chosen), and its speedup is predicted" in page
+    assert "and predicted from the per-module costs for plans that missed the tolerance" in page
+
+
+def test_the_trials_table_of_several_shapes_names_the_shape_its_milliseconds_are_of(tuned):
+    """Beside the weighted ratio over shapes, the milliseconds column showed the first shape's times unlabelled: a
+    row read 0.792 (1.26x) beside 0.194 (0.122), which is 1.59x."""
+    import dataclasses
+
+    from autotune.report.page import trials_section
+    result, _ = tuned
+    rows, _ = trial_rows(result.study)
+    shaped = [dataclasses.replace(row, by_shape={"batch 1": {"ratio": 1.0}, "batch 64": {"ratio": 1.0}})
+              for row in rows]
+    assert "latency/fp32 in trial, weighted over shapes (speedup)" in trials_section(shaped)
+    assert "plan ms ± IQR (fp32 ms) in trial, at batch 1" in trials_section(shaped)
+    assert "at batch" not in trials_section(rows) and "weighted" not in trials_section(rows)
+
+
+def test_the_history_charts_trial_axis_has_whole_trial_numbers(tuned, monkeypatch):
+    """Its axis read 0.25, 0.50 ... and 4.2, 4.4 for a few trials."""
+    from autotune.report import charts
+    drawn = []
+    monkeypatch.setattr(charts, "_data_uri", lambda fig: drawn.append(fig) or "")
+    result, _ = tuned
+    rows, chosen = trial_rows(result.study)
+    charts.history_chart(rows[:3], chosen)
+    ticks = drawn[0].axes[0].get_xticks()
+    assert len(ticks) and all(float(tick).is_integer() for tick in ticks), ticks

@@ -52,8 +52,12 @@ def _figure(alt: str, uri: str, caption: str) -> str:
 
 def trials_section(rows: list[Row]) -> str:
     """The numbered table of evaluated trials: the numbers are those on the plots."""
-    header = ["#", "plan id", "plan", "source", "accuracy", "loss", "latency/fp32 in trial (speedup)",
-              "plan ms ± IQR (fp32 ms) in trial", "result", "chosen"]
+    # Several shapes: the ratio is their weighted mean, the milliseconds the first shape's (the others: `shapes`).
+    shapes = next((list(row.by_shape) for row in rows if row.by_shape), [])
+    several = len(shapes) > 1
+    header = ["#", "plan id", "plan", "source", "accuracy", "loss",
+              f"latency/fp32 in trial{', weighted over shapes' if several else ''} (speedup)",
+              f"plan ms ± IQR (fp32 ms) in trial{f', at {shapes[0]}' if several else ''}", "result", "chosen"]
     body, classes = [], []
     for row in rows:
         timing = (f"{formatted(row.latency_ms, '{:.3f}')} ± {formatted(row.spread_ms, '{:.3f}')} "
@@ -247,18 +251,30 @@ def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, setting
             f"<p>{len(rows)} plans evaluated ({errors} of them with an eval_fn error) in {len(study.trials)} "
             f"trials; {reused} reused an earlier result, {lost} ended without one, {pending} running or queued. "
             f"Baseline accuracy {formatted(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
-            + "</p><nav><a href='#chosen'>chosen plan</a><a href='#plot'>accuracy vs latency</a>"
-            "<a href='#trials'>trials</a><a href='#history'>history</a><a href='#finalists'>finalists</a>"
-            "<a href='#timing'>timing</a>"
-            "<a href='#modules'>modules</a></nav>")
+            + "</p>")
+
+
+SECTIONS = (("chosen", "chosen plan"), ("plot", "accuracy vs latency"), ("shapes", "latency by shape"),
+            ("trials", "trials"), ("history", "history"), ("finalists", "finalists"), ("timing", "timing"),
+            ("modules", "modules"))
+
+
+def _nav(body: str) -> str:
+    """Links to the sections `body` holds: a study with no timed trial has no plot, one with one shape no shapes."""
+    return "<nav>" + "".join(f"<a href='#{anchor}'>{label}</a>" for anchor, label in SECTIONS
+                             if f"<h2 id='{anchor}'>" in body) + "</nav>"
 
 
 def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None, settings: dict[str, Any]) -> str:
     done = sum(r.ratio is not None for r in rows)
-    caption = ("Each point is a trial, numbered as in the table below, at the speedup its plan showed when timed "
-               "once against fp32 within that trial. " if trial_speedups(rows) == "in-trial timing" else
-               "Each point is a trial, numbered as in the table below, at the speedup predicted for its plan from "
-               "the per-module costs (trial_timing: predicted: only the finalists were timed). ")
+    caption = "Each point is a trial, numbered as in the table below, " + {
+        "in-trial timing": "at the speedup its plan showed when timed once against fp32 within that trial. ",
+        "predicted": "at the speedup predicted for its plan from the per-module costs (trial_timing: predicted: only "
+                     "the finalists were timed). ",
+        "in-trial timing or predicted": "at the speedup its plan showed when timed once against fp32 within that "
+                                        "trial; a plan that missed the tolerance was not timed (it cannot be "
+                                        "chosen), and its speedup is predicted from the per-module costs. ",
+    }[trial_speedups(rows)]
     if chosen is not None:
         caption += "The star is the chosen plan at its speedup re-timed after the search" + (
             "; the dotted arrow starts at its own trial's point." if chosen.trial is not None
@@ -270,8 +286,11 @@ def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None
 
 
 def _history_section(rows: list[Row], chosen: Chosen | None) -> str:
-    taken = ("single timings taken within each trial" if trial_speedups(rows) == "in-trial timing" else
-             "predicted from the per-module costs, no trial timed")
+    taken = {"in-trial timing": "single timings taken within each trial",
+             "predicted": "predicted from the per-module costs, no trial timed",
+             "in-trial timing or predicted": "single timings taken within each trial, and predicted from the "
+                                             "per-module costs for plans that missed the tolerance (never timed)",
+             }[trial_speedups(rows)]
     caption = ("The best passing speedup found so far by trial number, and each trial's own. These are "
                f"{taken}; the dashed line is the chosen plan's speedup re-timed after the search, which is what the "
                "tuner reports.")
@@ -285,8 +304,7 @@ def html_report(study: optuna.Study) -> str:
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
-    parts = [_intro(study, rows, baseline, settings),
-             chosen_section(chosen, baseline, studies.why_no_best(study)),
+    parts = [chosen_section(chosen, baseline, studies.why_no_best(study)),
              _plot_section(rows, chosen, baseline, settings) if timed else "",
              shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
              _history_section(rows, chosen) if timed else "",
@@ -300,5 +318,5 @@ def html_report(study: optuna.Study) -> str:
                              studies.get_attr(study, "module_latency_ms") or {}, chosen)]
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<title>autotune {html.escape(study.study_name)}</title><style>{STYLE}</style></head>"
-            f"<body>{''.join(parts)}</body></html>")
+            f"<body>{_intro(study, rows, baseline, settings)}{_nav(''.join(parts))}{''.join(parts)}</body></html>")
     return page.encode("ascii", "xmlcharrefreplace").decode("ascii")
