@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,31 @@ def test_show_lists_trials_and_best(tuned):
     assert evaluated and len({row[2] for row in evaluated}) == len(evaluated)   # one plan id per evaluated plan
 
 
+def test_a_trial_of_a_pareto_front_is_marked_by_show_and_exported_for_apply(tmp_path):
+    """A user could not pick a point of a pareto study's front: show did not mark it, and export wrote the best plan
+    alone."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from simulator import SimWorkload
+
+    from autotune import MixedPrecisionConfig, TuningConfig, autotune
+    sim, storage = SimWorkload(6, eval_cost_s=0), f"sqlite:///{tmp_path}/p.db"
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          max_trials=8, repeats=3, storage=storage, study_name="front", objective="pareto")
+    study = autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer()).study
+    front = sorted(trial.number for trial in study.best_trials)
+    shown = run("show", "front", "--storage", storage).output
+    marked = sorted(int(line.split()[0]) for line in shown.splitlines() if line.endswith(" (front)"))
+    assert front and marked == front, shown
+    picked = study.trials[front[-1]]
+    out = tmp_path / "picked.yaml"
+    assert run("export", "front", "--storage", storage, "--trial", str(picked.number), "--out", str(out)).exit_code == 0
+    exported = yaml.safe_load(out.read_text())
+    assert exported["trial"] == picked.number and exported["engine"] == "eager"
+    assert exported["plan"] == picked.user_attrs["plan"] and exported["speedup"] == pytest.approx(1 / picked.values[0])
+    assert_clear_error(run("export", "front", "--storage", storage, "--trial", "99"),
+                       "Error: study 'front' has no trial 99 (its trials are 0 to")
+
+
 @pytest.mark.parametrize(("engine", "knobs", "runs_as"), [("lowp", ["fold_bn"], ", lowp engine with fold_bn"),
                                                            ("compiled", [], ", compiled engine"), ("eager", [], "")])
 def test_show_says_which_engine_and_knobs_the_best_plan_runs_with(tmp_path, engine, knobs, runs_as):
@@ -191,7 +217,7 @@ def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closes
     # Every key export writes is read back, the noisy timing's too.
     exported = folder / "all.json"
     assert run("export", "mnist", "--storage", storage, "--out", str(exported)).exit_code == 0
-    data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False}
+    data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False, "trial": 0}
     assert set(data) == set(PLAN_FILE_KEYS) - {"latency_inputs"}
     exported.write_text(json.dumps(data))
     result = run("apply", str(exported), "--config", str(config), "--out", str(folder / "m.pt"),

@@ -95,6 +95,16 @@ def test_a_relative_tolerable_loss_of_one_or_more_is_refused_as_a_percentage_mis
     assert TuningConfig(tolerable_loss=0.99).tolerable_loss == 0.99
 
 
+def test_predicted_trial_timing_beside_the_pareto_objective_is_refused_saying_why():
+    """`objective: pareto` with `trial_timing: predicted` timed every trial, and nothing said the setting was
+    dropped."""
+    with pytest.raises(ConfigError) as info:
+        TuningConfig.from_mapping({"objective": "pareto", "trial_timing": "predicted"})
+    assert info.value.errors[0][0] == "trial_timing"
+    assert "objective: pareto times every trial, its latency being one of the objectives" in str(info.value)
+    assert TuningConfig(objective="pareto").trial_timing == "measured"
+
+
 def test_empty_dtype_list_is_rejected():
     with pytest.raises(ConfigError, match="dtype"):
         MixedPrecisionConfig(dtype=[])

@@ -198,12 +198,14 @@ def show(study_name: str, storage: str) -> None:
     rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", *(["by shape"] if by_shape else []),
              "result"]]
     kept = studies.kept_dtype(study)     # a plan's "fp32" keeps a module in the dtype it was handed over in
+    # A pareto study's front: the trials a user picks from (`export --trial N`)
+    front = {trial.number for trial in study.best_trials} if len(study.directions) > 1 else set()
     for trial in study.trials:
         attrs = trial.user_attrs
         if attrs.get("duplicate"):
             outcome = "duplicate"
         elif trial.state == optuna.trial.TrialState.COMPLETE:
-            outcome = "pass" if attrs.get("passed") else "FAIL"
+            outcome = ("pass" if attrs.get("passed") else "FAIL") + (" (front)" if trial.number in front else "")
         elif trial.state == optuna.trial.TrialState.FAIL:
             # "error": its eval_fn raised or its plan failed to run (said below), as the report says; beside the
             # "FAIL" of a plan that missed the tolerance, a "fail" told them apart by case alone
@@ -260,24 +262,51 @@ def _per_shape(by_shape: dict | None) -> str:
               help="default: from --out's suffix, else json")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, callback=lambda _c, _p, v: v and writable(v),
               help="default: standard output")
-def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> None:
+@click.option("--trial", "trial_number", type=int, default=None,
+              help="that trial's plan instead of the best (a point of a pareto study's front), in the eager engine")
+def export(study_name: str, storage: str, fmt: str | None, out: str | None, trial_number: int | None) -> None:
     """The best plan of STUDY (input of `apply`)."""
     study = load_study(study_name, storage)
     best, baseline = studies.get_attr(study, "best"), studies.get_attr(study, studies.BASELINE_ATTR)
-    if best is None:
+    if trial_number is not None:
+        data = _trial_plan_file(study, trial_number, baseline)
+    elif best is None:
         raise CliError(f"study {study_name!r} in {shown(storage)} has no best plan yet "
                        f"({studies.why_no_best(study)})")
-    data = {"study": study_name, "baseline_accuracy": baseline,
-            "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
-            "knobs": best.get("knobs", []), "plan": best["plan"]}
-    for doubt in (NOISE_KEY, BUSY_KEY):    # how far off the speedup may be: its timing was noisy, or busy
-        if doubt in best:
-            data[doubt] = best[doubt]
+    else:
+        data = {"study": study_name, "baseline_accuracy": baseline,
+                "accuracy": best["accuracy"], "speedup": best["speedup"], "engine": best.get("engine", "eager"),
+                "knobs": best.get("knobs", []), "plan": best["plan"]}
+        for doubt in (NOISE_KEY, BUSY_KEY):    # how far off the speedup may be: its timing was noisy, or busy
+            if doubt in best:
+                data[doubt] = best[doubt]
     if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
     # For `bench`, which times what tuning timed: the config's shapes, or the calls a generation was timed at.
     if timed := studies.get_attr(study, studies.LATENCY_INPUTS_ATTR) or studies.get_attr(study, TIMED_CALLS_ATTR):
         data["latency_inputs"] = timed
+    _written(data, fmt, out)
+
+
+def _trial_plan_file(study: optuna.Study, number: int, baseline: float | None) -> dict:
+    """What `export --trial` writes: the trial's plan, its score and its speedup in the trial (measured or
+    predicted: `bench` times it), for the eager engine the search judged plans in."""
+    trial = next((trial for trial in study.trials if trial.number == number), None)
+    if trial is None:
+        raise CliError(f"study {study.study_name!r} has no trial {number} (its trials are 0 to "
+                       f"{len(study.trials) - 1}; `autotune show` lists them)")
+    if trial.state != optuna.trial.TrialState.COMPLETE or not trial.values:
+        raise CliError(f"trial {number} of study {study.study_name!r} has no result ({trial.state.name.lower()}): "
+                       "export a trial `autotune show` lists as pass or FAIL")
+    if not trial.user_attrs.get("passed"):
+        click.echo(f"note: trial {number}'s plan missed the tolerance (loss {trial.user_attrs.get('accuracy_loss')})",
+                   err=True)
+    return {"study": study.study_name, "trial": number, "baseline_accuracy": baseline,
+            "accuracy": trial.user_attrs.get("accuracy"), "speedup": 1 / trial.values[0], "engine": "eager",
+            "knobs": [], "plan": studies.trial_plan(trial)}
+
+
+def _written(data: dict, fmt: str | None, out: str | None) -> None:
     fmt = fmt or ("yaml" if out and Path(out).suffix in (".yaml", ".yml") else "json")
     text = json.dumps(data, indent=2) + "\n" if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
     if out:
@@ -288,8 +317,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None) -> N
 
 
 # What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place and latency_inputs.
-PLAN_FILE_KEYS = ("study", "baseline_accuracy", "accuracy", "speedup", "engine", "knobs", "plan", NOISE_KEY, BUSY_KEY,
-                  "compile_in_place", "latency_inputs")
+PLAN_FILE_KEYS = ("study", "trial", "baseline_accuracy", "accuracy", "speedup", "engine", "knobs", "plan", NOISE_KEY,
+                  BUSY_KEY, "compile_in_place", "latency_inputs")
 
 
 @dataclass(frozen=True)

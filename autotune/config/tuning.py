@@ -288,6 +288,17 @@ class TuningConfig(ConfigModel):
                 input=self.tolerable_loss)])
         return self
 
+    @model_validator(mode="after")
+    def _pareto_times_every_trial(self) -> TuningConfig:
+        """`objective: pareto` times every trial (latency is one of its objectives): `trial_timing: predicted` beside
+        it was dropped without a word."""
+        if self.objective == "pareto" and self.trial_timing == "predicted":
+            message = ("objective: pareto times every trial, its latency being one of the objectives; leave "
+                       "trial_timing out, or objective: latency to time only the finalists")
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError("pareto_timing", message), loc=("trial_timing",), input=self.trial_timing)])
+        return self
+
     @field_validator("tolerable_loss", mode="before")
     @classmethod
     def _percent_written_as_such(cls, value: Any) -> Any:
