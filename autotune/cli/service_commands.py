@@ -142,7 +142,7 @@ def _state(job: Job, live: list[LiveWorker]) -> str:
     killed) stays running until a worker takes it up again, and read as if it were being worked on; a queued job
     that no live worker may run (the one it was left for stopped) read as if one would take it next."""
     if job.state == QUEUED:
-        return f"{job.state} ({_waits_for(job, live)})" if _waits_for(job, live) else job.state
+        return f"{job.state} ({waits_for})" if (waits_for := _waits_for(job, live)) else job.state
     if job.state not in (RUNNING, FINISHING):
         return job.state
     on_it = sum(worker.job_id == job.id for worker in live)
