@@ -318,6 +318,18 @@ def test_list_shows_studies_with_trial_counts(tuned):
     assert name == "mnist" and int(trials) >= 1
 
 
+def test_list_names_the_studies_a_run_stopped_in_its_set_up_left_and_how_to_resume_or_remove_them(tmp_path):
+    """Studies of runs that stopped at a config or baseline error were listed "0 - - -" beside tuned ones, unsaid."""
+    import optuna
+    storage = f"sqlite:///{tmp_path}/s.db"
+    optuna.create_study(study_name="stopped", storage=storage)
+    tuned = optuna.create_study(study_name="tuned", storage=storage)
+    tuned.set_user_attr("autotune.baseline_accuracy", 0.9)
+    listed = run("list", "--storage", storage).output
+    assert "no trial and no baseline yet: stopped (a run stopped in its set-up; the same tune command resumes" in listed
+    assert "`autotune delete STUDY` removes one" in listed and "tuned (" not in listed
+
+
 def test_report_writes_html_with_the_plot(tuned):
     folder, _, storage, _ = tuned
     out = folder / "report.html"

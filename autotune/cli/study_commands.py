@@ -446,12 +446,19 @@ def list_command(storage: str) -> None:
         click.echo(f"no studies in {shown(storage)}")
         return
     rows = [["study", "trials", "baseline", "best accuracy", "speedup"]]
+    unstarted = []   # a run stopped in its set-up (a config error, eval_fn failing on the fp32 model) left them
     for summary in summaries:
         best = summary.user_attrs.get(studies.ATTR_PREFIX + "best") or {}
-        rows.append([summary.study_name, str(summary.n_trials),
-                     formatted(summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)),
+        baseline = summary.user_attrs.get(studies.ATTR_PREFIX + studies.BASELINE_ATTR)
+        rows.append([summary.study_name, str(summary.n_trials), formatted(baseline),
                      formatted(best.get("accuracy")), best_speedup(best) if best else "-"])
+        if not summary.n_trials and baseline is None:
+            unstarted.append(summary.study_name)
     click.echo(table(rows))
+    if unstarted:
+        click.echo(f"no trial and no baseline yet: {', '.join(unstarted)} (a run stopped in its set-up; the same "
+                   "tune command resumes one, keeping any per-module signals measured, and `autotune delete "
+                   "STUDY` removes one)")
 
 
 @main.command()
