@@ -181,26 +181,20 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
     assert "note:" not in result.output
 
 
-def test_apply_refuses_a_pt2_name_for_a_model_torch_export_cannot_read(tuned):
-    """An eager plan was written with torch.save under the name the README keeps for exported graphs."""
+@pytest.mark.parametrize("engine, out, said", [
+    # An eager plan was written with torch.save under the name the README keeps for exported graphs.
+    ("eager", "m.pt2", ["m.pt2: the eager engine saves the model with torch.save", "name it .pt"]),
+    # `apply --out unet_tuned.pt` of a compiled plan wrote a torch.export file under torch.save's name, unsaid.
+    ("compiled", "m.pt", ["m.pt: the compiled engine saves the model as a torch.export graph", "name it m.pt2"]),
+])
+def test_apply_refuses_a_file_name_the_engines_saved_model_cannot_be_loaded_by(tuned, engine, out, said):
     folder, config, storage, _ = tuned
-    plan_file = folder / "eager.json"
-    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": "eager"}))
-    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt2"),
+    plan_file = folder / f"{engine}.json"
+    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": engine}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / out),
                  env={"TUNE_DIR": str(folder)})
-    assert_clear_error(result, "m.pt2: the eager engine saves the model with torch.save", "name it .pt")
-    assert not (folder / "m.pt2").exists()
-
-
-def test_apply_refuses_a_name_other_than_pt2_for_the_compiled_engines_graph(tuned):
-    """`apply --out unet_tuned.pt` of a compiled plan wrote a torch.export file under torch.save's name, unsaid."""
-    folder, config, storage, _ = tuned
-    plan_file = folder / "compiled.json"
-    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": "compiled"}))
-    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt"),
-                 env={"TUNE_DIR": str(folder)})
-    assert_clear_error(result, "m.pt: the compiled engine saves the model as a torch.export graph", "name it m.pt2")
-    assert not (folder / "m.pt").exists()
+    assert_clear_error(result, *said)
+    assert not (folder / out).exists()
 
 
 def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closest(tuned):
