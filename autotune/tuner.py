@@ -42,7 +42,14 @@ from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
 from autotune.result import BUSY_KEY, CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult, counted
 from autotune.search.driver import TIMEOUT_REACHED, run_search
-from autotune.search.scores import ENTRY_CALLS_ATTR, TIMED_CALLS_ATTR, failing_as_the_baseline, study_baseline
+from autotune.search.scores import (
+    ENTRY_CALLS_ATTR,
+    TIMED_CALLS_ATTR,
+    changed,
+    failing_as_the_baseline,
+    study_baseline,
+    tensor_sums,
+)
 from autotune.search.space import SearchSpace
 from autotune.search.trials import EvalFn, TrialCallback, TrialRunner, fail_stale_trials
 from autotune.search.winner import verified_winner
@@ -321,7 +328,10 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, None, device)
     probe = detach_clone(batches[0])    # the first call on it shows whether the model changes its inputs
+    buffers = tensor_sums(fp32.named_buffers())    # ... or its own state
     calibration = _first_call(fp32, candidates, probe, example_inputs is not None)
+    if moved := changed(buffers, tensor_sums(fp32.named_buffers()))[1]:
+        log.warning(STATEFUL, ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""))
     if (marked := copied_per_call(batches, probe)) is not batches:
         log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
         batches = marked
@@ -339,6 +349,12 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
                   if name in latency}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
+
+
+# A forward updating buffers in eval mode (an EMA of its inputs, a call counter): the tuner's own calls move them.
+STATEFUL = ("the model's forward changes its buffers (%s): every call the tuner makes, its timing's included, moves "
+            "them, so plans are scored from the states earlier calls left, and the model handed back holds what its "
+            "last call left; keep such state outside the forward to tune the model")
 
 
 def _first_call(fp32: nn.Module, candidates: dict[str, list[str]], probe: CallInputs, given: bool

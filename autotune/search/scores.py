@@ -12,7 +12,7 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -60,20 +60,20 @@ def score_of(value: Any) -> float:
 ROUNDING = 1e-9
 
 
-def _parameter_sums(model: nn.Module) -> dict[int, tuple[str, tuple[float, float] | None]]:
-    """Each parameter by identity: its name, the sum of its values and of their absolute values (None where it
-    cannot be summed, a lazy module's before its first call). Identity, not names: a compiled model may register its
-    modules again under new names as it runs (engines.frozen's step down), and its parameters stay the same objects."""
+def tensor_sums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, tuple[str, tuple[float, float] | None]]:
+    """Each tensor by identity: its name, the sum of its values and of their absolute values (None where it cannot
+    be summed, a lazy module's parameter before its first call). Identity, not names: a compiled model may register
+    its modules again under new names as it runs (engines.frozen's step down), and its tensors stay the same."""
     sums = {}
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, tensor in named:
             try:
-                total: tuple[float, float] | None = (
-                    parameter.sum(dtype=torch.float64).item(),
-                    torch.linalg.vector_norm(parameter, 1, dtype=torch.float64).item())
+                values = tensor if tensor.is_floating_point() else tensor.double()    # a call counter's int64
+                total: tuple[float, float] | None = (values.sum(dtype=torch.float64).item(),
+                                                     torch.linalg.vector_norm(values, 1, dtype=torch.float64).item())
             except Exception:  # any tensor subclass or uninitialised parameter: not compared
                 total = None
-            sums[id(parameter)] = (name, total)
+            sums[id(tensor)] = (name, total)
     return sums
 
 
@@ -86,18 +86,19 @@ def _differ(before: tuple[float, float] | None, after: tuple[float, float] | Non
     return abs(before[0] - after[0]) > scale or abs(before[1] - after[1]) > scale
 
 
-def _changes_to(model: nn.Module, before: dict[int, tuple[str, tuple[float, float] | None]]) -> list[str]:
-    """What differs in `model` from its `before` (_parameter_sums): parameters gone (their module replaced or
-    removed) and parameters whose values changed."""
-    after = _parameter_sums(model)
+def changed(before: dict[int, tuple[str, tuple[float, float] | None]],
+            after: dict[int, tuple[str, tuple[float, float] | None]]) -> tuple[list[str], list[str]]:
+    """The names of the tensors of `before` (tensor_sums) gone from `after`, and of those whose values changed."""
     gone = [name for key, (name, _) in before.items() if key not in after]
     moved = [name for key, (name, sums) in before.items() if key in after and _differ(sums, after[key][1])]
-    return [*(f"{name} is no longer in it" for name in gone), *(f"{name}'s values changed" for name in moved)]
+    return gone, moved
 
 
 def _left_unchanged(model: nn.Module, before: dict[int, tuple[str, tuple[float, float] | None]]) -> None:
-    """Raises EvalFunctionError where eval_fn changed `model`: what it scored is what is timed and handed back."""
-    if changes := _changes_to(model, before):
+    """Raises EvalFunctionError where eval_fn changed `model`'s parameters (`before`: their tensor_sums): what it
+    scored is what is timed and handed back."""
+    gone, moved = changed(before, tensor_sums(model.named_parameters()))
+    if changes := [*(f"{name} is no longer in it" for name in gone), *(f"{name}'s values changed" for name in moved)]:
         said = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
         raise EvalFunctionError(f"eval_fn changed the model it was given ({said}): the model it scores is the one "
                                 "timed and handed back, so it must leave it as it found it (change a copy, "
@@ -108,7 +109,7 @@ def scored(eval_fn: Callable[[nn.Module], Any], model: nn.Module, seconds: float
     """eval_fn's score of `model` (score_of), within `seconds`. Raises EvalFunctionError where eval_fn changed the
     model's parameters: an eval_fn scaling every weight after scoring had a model scoring 0.853 handed back as
     0.9435, and one replacing a Linear made the winner's timing crash."""
-    before = _parameter_sums(model)
+    before = tensor_sums(model.named_parameters())
     score = score_of(call_with_timeout(eval_fn, model, seconds))
     _left_unchanged(model, before)
     return score
@@ -133,7 +134,7 @@ def evaluate_baseline(fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], conf
     (example_inputs are what the tuner runs the model on), eval_fn need not call the model's forward itself."""
     with failing_as_the_baseline():
         model = clone(fp32)
-        before = _parameter_sums(model)
+        before = tensor_sums(model.named_parameters())
         returned, batches = run_capturing(model, eval_fn, stop_early=False, how=how, required=captures_inputs)
         baseline = score_of(returned)
         _left_unchanged(model, before)
