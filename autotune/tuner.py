@@ -279,6 +279,9 @@ def usable_device(device: torch.device) -> torch.device:
     raise ConfigError(message, [("tuning.device", message)])
 
 
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """The copy of the user's model that the tuner calls, lowers and returns: in eval mode, since inference is what
     is tuned and timed (a model handed over in training mode is said to be), on `device`. Raises ConfigError where
@@ -287,7 +290,10 @@ def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
         message = ("the model's weights are on the meta device, never loaded: load them first (e.g. "
                    "model.load_state_dict(state, assign=True), or from_pretrained without device_map='meta')")
         raise ConfigError(message, [("model", message)])
-    if any(module.training for module in model.modules()):
+    # The model itself, or a module whose training mode changes what it computes: a quantize_dynamic Linear is
+    # left in training mode on a model in eval mode, and computes alike in both.
+    if model.training or any(module.training and isinstance(module, (DROPOUTS, BATCH_NORMS))
+                             for module in model.modules()):
         log.warning("the model is in training mode%s: it is evaluated, tuned and returned in eval mode; call "
                     "model.eval() on yours to compare", _what_training_changes(model))
     fp32 = clone(model).eval()
@@ -299,8 +305,7 @@ def _working_copy(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _what_training_changes(model: nn.Module) -> str:
     """" (dropout on, batch norm updating its statistics)", naming only what the model holds."""
-    kinds = [((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
-              "dropout on"), (BATCH_NORMS, "batch norm updating its statistics")]
+    kinds = [(DROPOUTS, "dropout on"), (BATCH_NORMS, "batch norm updating its statistics")]
     held = [words for kind, words in kinds if any(isinstance(m, kind) for m in model.modules())]
     return f" ({', '.join(held)})" if held else ""
 

@@ -107,6 +107,25 @@ def test_a_model_in_training_mode_is_tuned_in_eval_mode_and_the_user_is_told(sto
     assert_state_equal(model, before)
 
 
+@pytest.mark.parametrize("case, warned", [("quantized part", False), ("one dropout training", True)])
+def test_only_a_module_whose_mode_changes_what_it_computes_makes_an_eval_model_said_in_training(storage, caplog,
+                                                                                                  case, warned):
+    """A model in eval mode with one Linear replaced by the user through quantize_dynamic (which leaves that module
+    in training mode, computing alike in both) was said to be "in training mode"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8)).eval()
+    if case == "quantized part":
+        model[3] = torch.ao.quantization.quantize_dynamic(nn.Sequential(model[3]), {nn.Linear})[0]
+        assert model[3].training and not model.training
+    else:
+        model[1].train()
+    x = torch.randn(16, 64)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        autotune(model, TuningConfig(storage=storage, engines=["eager"], max_trials=2, repeats=3),
+                 lambda net: net(x).abs().mean().item(), example_inputs=x)
+    assert ("the model is in training mode" in caplog.text) is warned, caplog.text
+
+
 SLEEPS = {"started": 0, "finished": 0}
 
 
