@@ -168,7 +168,10 @@ def untuned_weights(model: nn.Module, candidates: dict[str, list[str]]) -> dict[
     return found
 
 
-def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dict[str, list[str]]:
+UNCALLED_MOST = 0.25   # tunable modules the captured batch never reached holding this share of the weights: a warning
+
+
+def called_candidates(model: nn.Module, candidates: dict[str, list[str]], called: set[str]) -> dict[str, list[str]]:
     """The candidates the model's forward calls as modules. A parent may use a child's weights without calling
     it (nn.MultiheadAttention's `out_proj`): lowering such a module would change nothing the model runs, and
     there is no input to calibrate or time it on, so it stays as it is.
@@ -179,15 +182,26 @@ def called_candidates(candidates: dict[str, list[str]], called: set[str]) -> dic
     kept = {name: dtypes for name, dtypes in candidates.items() if name in called}
     skipped = [name for name in candidates if name not in called]
     if skipped:
-        log.info("%d tunable modules are never called by the forward on the captured batch (their parent reads "
-                 "their weights, they are unused, only other inputs reach them, or eval_fn calls them apart from "
-                 "the model's forward and its own methods), so they stay as they are: %s%s",
-                 len(skipped), ", ".join(skipped[:5]),
-                 f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        # Said as a warning where they hold much of the model: a branch taken only by other batches than the
+        # first (`if x.sum() > 0`) held half of one, and stayed fp32 unsaid.
+        share = _weight_share(model, skipped)
+        log.log(logging.WARNING if share >= UNCALLED_MOST else logging.INFO,
+                "%d tunable modules (%.0f %% of the weights) are never called by the forward on the captured batch "
+                "(their parent reads their weights, they are unused, only other inputs reach them: give "
+                "example_inputs that do, or eval_fn calls them apart from the model's forward and its own methods), "
+                "so they stay as they are: %s%s", len(skipped), 100 * share, ", ".join(skipped[:5]),
+                f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     if not kept:
         raise NoTunableModulesError(f"the forward calls none of the {len(candidates)} tunable modules as a module "
                                     f"(e.g. {skipped[0]!r}): nothing is left to tune")
     return kept
+
+
+def _weight_share(model: nn.Module, names: list[str]) -> float:
+    """The share of the model's parameters (each counted once) that the modules `names` hold."""
+    held = {id(p): p.numel() for name in names for p in model.get_submodule(name).parameters()}
+    total = sum(p.numel() for p in model.parameters())
+    return sum(held.values()) / total if total else 0.0
 
 
 def runnable_alone(model: nn.Module, candidates: dict[str, list[str]],

@@ -341,7 +341,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
         batches = marked
     studies.set_attr(study, ENTRY_CALLS_ATTR, list(entry_paths(batches)))
-    candidates = runnable_alone(fp32, called_candidates(candidates, set(calibration)), calibration)
+    candidates = runnable_alone(fp32, called_candidates(fp32, candidates, set(calibration)), calibration)
     timed_calls = None if given else studies.get_attr(study, TIMED_CALLS_ATTR)
     shapes = latency_shapes(config, batches, device, fp32,
                             [LatencyInput.model_validate(call) for call in timed_calls or []])

@@ -72,7 +72,9 @@ def test_an_encoder_is_tuned_and_the_attention_projections_it_never_calls_are_le
         result = autotune(model, config, fidelity, example_inputs=call_inputs, measurer=HalfCostMeasurer(LINEARS))
     assert sorted(result.plan) == sorted(LINEARS)            # no self_attn.out_proj: MultiheadAttention reads it
     assert "int8" in result.plan.values()
-    assert "never called by the forward on the captured batch" in caplog.text and "self_attn.out_proj" in caplog.text
+    said = [r for r in caplog.records if "never called by the forward on the captured batch" in r.getMessage()]
+    assert len(said) == 1 and "self_attn.out_proj" in said[0].getMessage()
+    assert said[0].levelno == logging.INFO      # a small share of the weights, read by their parent: no warning
     assert fidelity(result.model) >= 1 - 0.05
 
 

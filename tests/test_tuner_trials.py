@@ -1,6 +1,7 @@
 """Trial-level behaviour on a model whose int8 layers are measurably faster than fp32."""
 import copy
 import logging
+import re
 import time
 
 import pytest
@@ -124,6 +125,34 @@ def test_only_a_module_whose_mode_changes_what_it_computes_makes_an_eval_model_s
         autotune(model, TuningConfig(storage=storage, engines=["eager"], max_trials=2, repeats=3),
                  lambda net: net(x).abs().mean().item(), example_inputs=x)
     assert ("the model is in training mode" in caplog.text) is warned, caplog.text
+
+
+class Branches(nn.Module):
+    """Takes branch `a` or `b` by the sign of its batch's sum: eval_fn's first batch reaches `a` alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = (nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(2))
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.out(self.a(x) if x.sum() > 0 else self.b(x))
+
+
+def test_modules_holding_much_of_the_model_that_the_captured_batch_never_reached_are_warned_of(storage, caplog):
+    """A branch reached only by eval_fn's later batches held half the weights: it stayed fp32, left out of the
+    plan, said at INFO only."""
+    torch.manual_seed(0)
+    batches = [torch.randn(16, 64).abs() * sign for sign in (1, -1, 1, -1)]
+
+    def eval_fn(net):
+        return sum(net(x).abs().mean().item() for x in batches)
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        result = autotune(Branches().eval(), TuningConfig(storage=storage, engines=["eager"], max_trials=2,
+                                                          repeats=3), eval_fn)
+    assert not any(name.startswith("b.") for name in result.plan)
+    assert re.search(r"2 tunable modules \(\d+ % of the weights\) are never called by the forward on the captured "
+                     r"batch .*give example_inputs that do.*: b\.0, b\.2", caplog.text), caplog.text
 
 
 SLEEPS = {"started": 0, "finished": 0}
