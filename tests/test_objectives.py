@@ -34,8 +34,9 @@ def test_pareto_study_holds_the_front_and_still_returns_the_fastest_passing_plan
     assert min(passing) == pytest.approx(1 / sim.speedup(result.plan), rel=0.05)
 
 
-def test_a_study_made_for_one_objective_is_not_reused_for_the_other(storage):
+def test_a_study_made_for_one_objective_is_not_reused_for_the_other_and_both_are_named(storage):
+    """It said "was made for another objective (1 objectives)"."""
     sim = SimWorkload(6, eval_cost_s=0)
     tune(sim, storage, "latency", study_name="shared")
-    with pytest.raises(StudyMismatchError, match="another objective"):
+    with pytest.raises(StudyMismatchError, match="was made for objective latency, not pareto; use another study_name"):
         tune(sim, storage, "pareto", study_name="shared")

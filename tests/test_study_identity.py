@@ -68,17 +68,6 @@ def test_a_named_study_resumed_with_another_accuracy_requirement_is_refused_with
         tune(sim, sim.model(), storage, study_name="mine", tolerable_loss=0.05)
 
 
-def test_a_named_study_resumed_with_another_objective_is_refused_naming_both(storage):
-    """It said "was made for another objective (1 objectives)"."""
-    sim = SimWorkload(6, eval_cost_s=0)
-    tune(sim, sim.model(), storage, study_name="mine")
-    config = TuningConfig(engines=["eager"], max_trials=4, repeats=3, storage=storage, study_name="mine",
-                          objective="pareto")
-    with pytest.raises(StudyMismatchError, match=r"study 'mine' in .* was made for objective latency, not pareto; "
-                                                 r"use another study_name"):
-        autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
-
-
 def test_a_study_resumed_on_another_thread_count_is_warned_of_and_the_report_names_both(storage, caplog):
     """A study tuned on 1 thread and resumed on 2 said nothing, and its report read "threads while timing: 2" for
     trials all timed on 1."""
