@@ -400,3 +400,15 @@ def test_int8_attention_is_called_and_answers_as_the_multihead_attention_it_repl
     assert not get_backend("int8").supports(nn.MultiheadAttention(32, 4, kdim=16, vdim=16), CPU)
     with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):   # as torch's module:
         lowered(q, q, q, is_causal=True)       # a causal mask applied without one changed what the model computes
+
+
+def test_the_weights_of_a_module_the_user_quantised_with_torch_ao_are_counted():
+    """The packed int8 weights of a Linear the user had run through quantize_dynamic were left out of the model's
+    size: it read as its fp32 Linears alone."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # torch.ao's notice that eager quantisation moved to torchao
+        model[1] = torch.ao.quantization.quantize_dynamic(nn.Sequential(model[1]), {nn.Linear})[0]
+    assert weight_bytes(model) == (256 * 256 + 256) * 4 + 256 * 128 + 128 * 4    # int8 weight, fp32 bias
