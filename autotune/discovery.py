@@ -12,7 +12,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import failure_of
 from autotune.clone import clone
 from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
-from autotune.errors import ConfigError, NoTunableModulesError
+from autotune.errors import ConfigError, NoTunableModulesError, listed
 
 log = logging.getLogger("autotune")
 
@@ -189,8 +189,7 @@ def called_candidates(model: nn.Module, candidates: dict[str, list[str]], called
                 "%d tunable modules (%.0f %% of the weights) are never called by the forward on the captured batch "
                 "(their parent reads their weights, they are unused, only other inputs reach them: give "
                 "example_inputs that do, or eval_fn calls them apart from the model's forward and its own methods), "
-                "so they stay as they are: %s%s", len(skipped), 100 * share, ", ".join(skipped[:5]),
-                f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+                "so they stay as they are: %s", len(skipped), 100 * share, listed(skipped))
     if not kept:
         raise NoTunableModulesError(f"the forward calls none of the {len(candidates)} tunable modules as a module "
                                     f"(e.g. {skipped[0]!r}): nothing is left to tune")

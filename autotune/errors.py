@@ -58,6 +58,11 @@ TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "flo
                      "qint8": "int8", "quint8": "int8"}
 
 
+def listed(names: list[str], most: int = 5) -> str:
+    """"a, b, c and 4 more": the first `most` names of a list a message gives."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def did_you_mean(given: str, choices: Iterable[str]) -> str:
     """"; did you mean 'x'?" for the choice closest to `given` (a misspelling, a torch dtype's name, another case),
     or "" where none is close."""

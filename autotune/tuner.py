@@ -33,7 +33,7 @@ from autotune.discovery import (
 )
 from autotune.engines.knobs import BATCH_NORMS
 from autotune.engines.quiet import library_notes_dropped
-from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError, describe
+from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError, describe, listed
 from autotune.measure.allocator import allocation_while_timing
 from autotune.measure.latency import device_name
 from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
@@ -205,13 +205,13 @@ def _record_settings(study, config: TuningConfig, device: torch.device, fp32: nn
     log.info("%s", allocation)
     settings, earlier = run_settings(config, device, allocation), studies.get_attr(study, "settings") or {}
     before = [*earlier.get("num_threads_earlier", []), *([earlier["num_threads"]] if "num_threads" in earlier else [])]
-    if changed := sorted({threads for threads in before if threads != settings["num_threads"]}):
+    if other_counts := sorted({threads for threads in before if threads != settings["num_threads"]}):
         # Its signals and trials' ratios were timed at those: int8's and bf16's gain over fp32 differ with threads.
         log.warning("study %r holds timings taken on %s; this run times on %s, and its latency ratios are compared "
                     "with those (num_threads: %s keeps them alike)", study.study_name,
-                    " and ".join(counted(threads, "thread") for threads in changed),
-                    counted(settings["num_threads"], "thread"), changed[-1])
-        settings["num_threads_earlier"] = changed
+                    " and ".join(counted(threads, "thread") for threads in other_counts),
+                    counted(settings["num_threads"], "thread"), other_counts[-1])
+        settings["num_threads_earlier"] = other_counts
     studies.set_attr(study, "settings", settings)
     studies.set_attr(study, studies.HELD_DTYPE_ATTR, held_dtype(fp32))
     if config.latency_inputs and not any(callable(entry.factory) for entry in config.latency_inputs):
@@ -336,7 +336,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     buffers = tensor_sums(fp32.named_buffers())    # ... or its own state
     calibration = _first_call(fp32, candidates, probe, example_inputs is not None)
     if moved := changed(buffers, tensor_sums(fp32.named_buffers()))[1]:
-        log.warning(STATEFUL, ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else ""))
+        log.warning(STATEFUL, listed(moved))
     if (marked := copied_per_call(batches, probe)) is not batches:
         log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
         batches = marked

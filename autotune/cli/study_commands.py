@@ -46,7 +46,7 @@ from autotune.engines import (
     why_not_written,
     with_knobs,
 )
-from autotune.errors import PlanError, did_you_mean
+from autotune.errors import PlanError, did_you_mean, listed
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
@@ -419,7 +419,7 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
         raise CliError(f"{plan_path}: {exc}") from None
     if unnamed := [name for name in candidates if name not in plan]:    # a plan file edited by hand, say
         click.echo(f"note: {plan_path} names {len(plan)} of the {len(candidates)} modules tuning searches in this "
-                   f"model; {_listed(unnamed)} {'stays' if len(unnamed) == 1 else 'stay'} as the model holds "
+                   f"model; {listed(unnamed)} {'stays' if len(unnamed) == 1 else 'stay'} as the model holds "
                    f"{'it' if len(unnamed) == 1 else 'them'} ({held_dtype(model)})", err=True)
     for knob, reason in ((knob, KNOBS[knob].supports(model)) for knob in knobs):
         if reason is not None:   # e.g. a plan tuned on a GPU, applied to a model configured for the CPU
@@ -431,10 +431,6 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
     built = realise(with_knobs(model, knobs), plan, engine, calibration)
     return AppliedPlan(plan, engine, knobs, saved.latency_inputs, model, built, batches)
-
-
-def _listed(names: list[str], most: int = 5) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @main.command(name="list")
