@@ -1,4 +1,4 @@
 """`python -m autotune ...`: the command line without the installed `autotune` script."""
-from autotune.cli import main
+from autotune.console import main
 
-main(prog_name="autotune")
+main()

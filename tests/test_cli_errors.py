@@ -17,6 +17,7 @@ from test_cli import SHIPPED, small_mnist, write_yaml
 from test_resume_kill import study_exists
 
 from autotune.cli import main
+from autotune.interrupts import CLEAN_UP_S
 
 UNREACHABLE_PG = "postgresql+psycopg://autotune@127.0.0.1:1/studies"     # port 1: nothing listens there
 
@@ -288,6 +289,59 @@ def test_a_ctrl_c_that_breaks_a_librarys_clean_up_ends_the_command_as_interrupte
         main.commands.pop("ctrl-c-in-a-clean-up")
     assert_one_error_line(result, 130, "interrupted; every finished trial is kept")
     assert "UnboundLocalError" not in result.output
+
+
+@pytest.mark.parametrize("script", [False, True])
+def test_a_ctrl_c_while_the_command_line_loads_is_one_line_and_exit_130(tmp_path, script):
+    """Importing torch takes seconds: a Ctrl-C meanwhile printed Python's traceback through the import."""
+    command = [str(Path(sys.executable).parent / "autotune")] if script else [sys.executable, "-m", "autotune"]
+    for delay in (0.3, 1.0, 2.0):
+        proc = subprocess.Popen([*command, "list", "--storage", f"sqlite:///{tmp_path}/s.db"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (delay, out, err)
+        assert err == "Error: interrupted; every finished trial is kept: run the same command again to resume\n", \
+            (delay, err)
+
+
+STUCK_CLEAN_UP = """
+import sys, threading, time
+import click
+from autotune.cli import main
+
+@main.command("stuck")
+@click.option("--as-helper", is_flag=True)
+def stuck(as_helper):
+    held = threading.Event()
+    try:
+        print("started", flush=True)
+        time.sleep(60)
+    finally:
+        held.wait()       # a clean-up that never ends: a write waiting on a database lock that is never freed
+
+main(prog_name="autotune")
+"""
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_ctrl_c_whose_clean_up_hangs_still_ends_the_process_soon_and_says_so_once(quiet):
+    """`tune --workers 3` on SQLite once took over two minutes to stop after a Ctrl-C, its clean-up waiting on a
+    locked database: the process now ends CLEAN_UP_S after the Ctrl-C (a helper process without a word)."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_CLEAN_UP, "stuck", *(["--as-helper"] if quiet else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "started\n"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=CLEAN_UP_S + 60)
+    assert proc.returncode == 130 and CLEAN_UP_S - 1 < time.monotonic() - sent < CLEAN_UP_S + 30, (out, err)
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    if quiet:
+        assert err == "", err
+    else:
+        assert errors == ["Error: interrupted; every finished trial is kept: run the same command again to resume"]
+        assert "cut short: a trial it left running fails when the study resumes" in err, err
 
 
 def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path):

@@ -35,8 +35,10 @@ def write_config(tmp_path: Path, log: Path) -> Path:
 def test_workers_share_one_study_without_repeating_or_losing_a_plan(tmp_path, workers):
     log = tmp_path / "evals.log"
     config = write_config(tmp_path, log)
-    done = subprocess.run([sys.executable, "-m", "autotune", "tune", str(config), "--workers", str(workers)],
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    # A file named as a module of Python's own, in the working directory: the helpers alone imported it.
+    (tmp_path / "concurrent.py").write_text("raise ImportError('the working directory shadowed Python')\n")
+    done = subprocess.run([str(Path(sys.executable).parent / "autotune"), "tune", str(config), "--workers",
+                           str(workers)], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "database is locked" not in output
@@ -95,9 +97,11 @@ def test_a_second_worker_runs_trials_while_the_first_evaluates_the_baseline(tmp_
         assert trial.user_attrs["passed"] == (trial.user_attrs["accuracy_loss"] <= 0.01)
 
 
-def test_ctrl_c_at_a_terminal_says_so_once_for_all_the_processes(tmp_path):
+@pytest.mark.parametrize("moment", ["evaluating", "helpers starting", "twice"])
+def test_ctrl_c_at_a_terminal_says_so_once_for_all_the_processes(tmp_path, moment):
     """A terminal's Ctrl-C reaches the process group: `tune --workers 3` printed its "Error: interrupted" line three
-    times, once per process."""
+    times, once per process; one that came while the helpers still imported torch printed their tracebacks; a
+    second Ctrl-C ended the process by the signal."""
     import os
     import signal
     import time
@@ -107,13 +111,21 @@ def test_ctrl_c_at_a_terminal_says_so_once_for_all_the_processes(tmp_path):
     tune = subprocess.Popen([sys.executable, "-m", "autotune", "tune", str(config), "--workers", "3"],
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)   # a process group of its own, as a terminal's job is
-    deadline = time.monotonic() + 240
-    while len({pid for pid, _ in (line.split() for line in (log.read_text().splitlines() if log.exists() else []))}) \
-            < 2 and time.monotonic() < deadline and tune.poll() is None:
-        time.sleep(0.2)      # two processes evaluating plans
+    if moment == "helpers starting":
+        assert "3 workers" in tune.stdout.readline()      # printed as the helper processes are started
+        time.sleep(0.5)
+    else:
+        deadline = time.monotonic() + 240
+        while len({line.split()[0] for line in (log.read_text().splitlines() if log.exists() else [])}) < 2 \
+                and time.monotonic() < deadline and tune.poll() is None:
+            time.sleep(0.2)      # two processes evaluating plans
     os.killpg(tune.pid, signal.SIGINT)
+    if moment == "twice":
+        time.sleep(0.5)
+        os.killpg(tune.pid, signal.SIGINT)
     out, err = tune.communicate(timeout=120)
     assert tune.returncode == 130, out + err
+    assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("Error:")] == [
         "Error: interrupted; every finished trial is kept: run the same command again to resume"], err
 

@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from optuna.storages import RDBStorage
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
+from autotune.interrupts import INTERRUPTED, interrupts
 from autotune.storage.rdb import (
     cannot_write,
     database_error,
@@ -55,7 +55,7 @@ storage_option = click.option("--storage", envvar="AUTOTUNE_STORAGE", default=No
                                    f"$AUTOTUNE_STORAGE_FILE names, else {DEFAULT_STORAGE}]")
 
 
-INPUT_ERROR, INTERRUPTED, UNEXPECTED = 2, 130, 1     # exit codes (README, "YAML files and the CLI")
+INPUT_ERROR, UNEXPECTED = 2, 1     # exit codes (README, "YAML files and the CLI"), with errors.INTERRUPTED
 BROKEN_PIPE = 141   # 128 + SIGPIPE, as a shell reports a filter its reader left
 
 
@@ -63,41 +63,12 @@ class CliError(click.ClickException):
     exit_code = INPUT_ERROR
 
 
-class _Interrupts:
-    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an exception
-    raised in a finalizer or a weakref callback (printing its traceback), and a tune whose Ctrl-C landed in one
-    (while the interpreter collected compiled code) ran on to the end and exited 0. `stop_if_received` raises it
-    again at a safe point; `unraisable` keeps the dropped one's traceback from the user."""
-
-    def __init__(self) -> None:
-        self.received = False
-
-    def handle(self, _signum: int, _frame: Any) -> None:
-        self.received = True
-        raise KeyboardInterrupt
-
-    def unraisable(self, previous_hook: Callable[[Any], None], unraisable: Any) -> None:
-        """A `sys.unraisablehook`: a dropped KeyboardInterrupt is a Ctrl-C received; anything else goes on."""
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            self.received = True
-        else:
-            previous_hook(unraisable)
-
-    def stop_if_received(self, *_trial: Any) -> None:
-        """Raises KeyboardInterrupt if Ctrl-C came; an Optuna trial callback (called after every trial) too."""
-        if self.received:
-            raise KeyboardInterrupt
-
-
-interrupts = _Interrupts()
-
-
 class _Group(click.Group):
     """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
     Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        interrupts.received = False
+        interrupts.received = interrupts.said = False
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, interrupts.handle) if main_thread else None
         previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(interrupts.unraisable,
@@ -125,17 +96,14 @@ class _Group(click.Group):
                 raise
             _interrupted(ctx)
         finally:
+            interrupts.disarm()
             sys.unraisablehook = previous_hook
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
 
-QUIET_INTERRUPT = "autotune.quiet_interrupt"   # in click's ctx.meta: a helper process, whose starter says it
-
-
 def _interrupted(ctx: click.Context) -> None:
-    if not ctx.meta.get(QUIET_INTERRUPT):
-        click.echo("Error: interrupted; every finished trial is kept: run the same command again to resume", err=True)
+    interrupts.say()
     ctx.exit(INTERRUPTED)
 
 

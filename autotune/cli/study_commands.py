@@ -21,9 +21,7 @@ from pydantic import ValidationError
 from autotune.backends import held_dtype
 from autotune.capture import example_or_batches, record_module_inputs
 from autotune.cli.base import (
-    QUIET_INTERRUPT,
     CliError,
-    interrupts,
     load_study,
     main,
     missing_sqlite,
@@ -47,6 +45,7 @@ from autotune.engines import (
     with_knobs,
 )
 from autotune.errors import PlanError, did_you_mean, listed
+from autotune.interrupts import HELPER_FLAG, interrupts
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
 from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
@@ -120,14 +119,12 @@ def progress(total: int, done: int, verbose: bool) -> Iterator[list[TrialCallbac
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="processes tuning the study at once on this machine; they share max_trials")
 # A name no one types for `--workers`: a hidden `--worker` took that typo and ran a silent helper (no summary).
-@click.option("--as-helper", "helper", is_flag=True, hidden=True, help="run trials only; the starting process reports")
+@click.option(HELPER_FLAG, "helper", is_flag=True, hidden=True, help="run trials only; the starting process reports")
 @click.option("-v", "--verbose", is_flag=True, help="log every trial instead of a progress bar")
 def tune(config_path: str, storage: str | None, study_name: str | None, workers: int, helper: bool,
          verbose: bool) -> None:
     """Tune the model of a YAML CONFIG (resumes its study)."""
     started = time.monotonic()
-    # A terminal's Ctrl-C reaches the helper processes too: the starting process says it, once.
-    click.get_current_context().meta[QUIET_INTERRUPT] = helper
     config = load_config(config_path)
     tuning = config.tuning.model_copy()
     if storage:
@@ -148,8 +145,11 @@ def tune(config_path: str, storage: str | None, study_name: str | None, workers:
     done = done or 0
     click.echo(f"study {name!r} in {shown(tuning.storage)}: {state}"
                + (f"; {workers} workers" if workers > 1 else ""))
-    command = [sys.executable, "-m", "autotune", "tune", config_path, "--as-helper", "--storage", tuning.storage,
-               "--study-name", name]
+    # -P: the working directory is not put first on the import path, where a file in it named as a module of
+    # Python's own (concurrent.py) took that module's place in the helpers alone; `main` adds it after.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    command = [sys.executable, *safe_path, "-m", "autotune", "tune", config_path, HELPER_FLAG, "--storage",
+               tuning.storage, "--study-name", name]
     helpers = [subprocess.Popen(command, preexec_fn=_interrupted_with_parent if sys.platform == "linux" else None)
                for _ in range(workers - 1)]
     with tuner_log(verbose):

@@ -144,8 +144,9 @@ def kept_alive(engine: sqlalchemy.Engine, renewal: Callable[[], sqlalchemy.Execu
     try:
         yield
     finally:
+        # Not joined: a renewal waiting on a locked database kept a Ctrl-C'd worker waiting with it, and one that
+        # lands after the block updates a row its owner has deleted, which is none.
         stop.set()
-        renewer.join()
 
 
 def _acquire(engine: sqlalchemy.Engine, study_name: str, name: str, holder: str, ttl_s: float, where: list) -> bool:
