@@ -313,7 +313,8 @@ def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_
             out, reference = runnable(x[:n]), built(x[:n])
             assert ((out - reference).norm() / reference.norm()).item() < 0.05, n
     assert runnable.unfrozen is not None
-    assert len(runnable.frozen_shapes | runnable.kept) == 3 and ((8, 1, 12, 12),) in runnable.frozen_shapes
+    assert len(runnable.frozen_shapes | runnable.kept) == 3
+    assert (((8, 1, 12, 12),), False, True) in runnable.frozen_shapes     # (shapes, grad on, inference mode)
     # Logged, not warned: a process serving a saved model printed it at its first new batch size.
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "cannot freeze" in r.getMessage()]
     assert len(said) == 1 and said[0][0] == logging.INFO and "AssertionError: expected size" in said[0][1]
@@ -1791,3 +1792,25 @@ def test_the_hint_to_pass_copies_of_the_inputs_is_given_where_the_graph_holds_a_
         hints[name] = CompiledEngine().save(built, ((x,), {}), str(tmp_path / f"{name}.pt2"))
     assert "residual add" not in hints["convs"] and "copies of the inputs" not in hints["convs"]
     assert "on copies of the inputs you keep (its int8 linear fused with a residual add" in hints["linear"]
+
+
+def test_a_refused_image_size_leaves_a_compiled_conv_net_running_the_batches_it_ran():
+    """A conv net of 16x16 images, called once with a 28x28 one (refused: the graph fixes the image size), then
+    failed every inference call at the batch it had run: torch.compile's attempt at the refused shape left code
+    behind ("expected size 32==32, stride 1==256")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)).eval()
+    x = torch.randn(4, 1, 16, 16)
+    plan = {"0": "int8", "3": "int8", "6": "int8"}
+    built = realise(model, plan, "compiled", Calibration([((torch.randn(8, 1, 16, 16),), {})], {}))
+    runnable = CompiledEngine().runnable(built)
+    expected = runnable(x)
+    with pytest.raises(Exception) as by_the_graph:
+        built(torch.randn(2, 1, 28, 28))
+    with pytest.raises(by_the_graph.type, match=re.escape(str(by_the_graph.value))):
+        runnable(torch.randn(2, 1, 28, 28))
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            assert torch.allclose(runnable(x), expected, atol=1e-4)
+            assert runnable(torch.randn(9, 1, 16, 16)).shape == (9, 10)

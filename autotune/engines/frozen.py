@@ -55,9 +55,10 @@ class FrozenCompiled(nn.Module):
         self.options = options     # inductor's, for every compile of this model
         self.frozen = compile_model(_Calls(built), options=options)
         self.unfrozen: nn.Module | None = None     # set at the first failure, with `frozen` compiled per shape
-        self.frozen_shapes: set[tuple] = set()     # run frozen in `frozen`
+        self.frozen_shapes: set[tuple] = set()     # (shapes, grad modes) run frozen in `frozen`
         self.kept: set[tuple] = set()              # frozen before the failure: compiled per shape when next called
         self.unfreezable: set[tuple] = set()
+        self.taken: set[tuple] = set()             # input shapes the graph itself has run: checked once, eagerly
         self.example = None    # zeros shaped as the first call's inputs: what saving exports the graph on
 
     def train(self, mode: bool = True) -> FrozenCompiled:
@@ -82,17 +83,25 @@ class FrozenCompiled(nn.Module):
     def _frozen_call(self, *args, **kwargs):
         shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
                   else tuple(t.shape for t in tensors((args, kwargs))))
-        if self.unfrozen is not None and not self._frozen_per_shape(shapes):
+        if shapes not in self.taken:
+            # Inputs the graph itself refuses raise its error, the caller's, before compiled code sees them:
+            # torch.compile's attempt at a 28x28 image for a conv net of 16x16 ones left code that failed every
+            # later call at a batch it had run (torch 2.13: "expected size 32==32, stride 1==256").
+            self.built[0](*args, **kwargs)
+            self.taken.add(shapes)
+        # With the grad mode: code compiled for a shape under no_grad is not the code inference_mode runs, and a
+        # conv net run in both failed the second's compile at a shape the first had run frozen.
+        call = (shapes, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if self.unfrozen is not None and not self._frozen_per_shape(call):
             return self.unfrozen(*args, **kwargs)
         try:
             out = self._call_frozen(*args, **kwargs)
         except Exception as exc:   # inductor's lowerings raise many kinds
-            if shapes in self.frozen_shapes:
+            if call in self.frozen_shapes:
                 raise              # it ran frozen before: not a failure to freeze
-            self.built[0](*args, **kwargs)   # inputs the graph itself refuses: the caller's error, raised as such
-            self._step_down(shapes, exc)
+            self._step_down(call, exc)
             return self(*args, **kwargs)
-        self.frozen_shapes.add(shapes)
+        self.frozen_shapes.add(call)
         return out
 
     def _call_frozen(self, *args, **kwargs):
@@ -111,18 +120,18 @@ class FrozenCompiled(nn.Module):
         finally:
             _inductor_config.freezing = prior
 
-    def _frozen_per_shape(self, shapes: tuple) -> bool:
-        return shapes not in self.unfreezable and (shapes in self.kept
-                                                   or len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
+    def _frozen_per_shape(self, call: tuple) -> bool:
+        return call not in self.unfreezable and (call in self.kept
+                                                 or len(self.frozen_shapes | self.kept) < STATIC_SHAPES)
 
-    def _step_down(self, shapes: tuple, exc: Exception) -> None:
+    def _step_down(self, call: tuple, exc: Exception) -> None:
         if self.unfrozen is not None:
-            self.unfreezable.add(shapes)
+            self.unfreezable.add(call)
             return
         # INFO: it is said at a call, in a process serving a saved model too, where nothing can be done of it.
         log.info("compiled engine: inductor cannot freeze this model for a dynamic batch (input shapes %s: %s); it is "
                  "compiled frozen for each shape apart, up to %d, and without freezing (int8 kernels dequantised) for "
-                 "others", list(shapes), describe(exc), STATIC_SHAPES)
+                 "others", list(call[0]), describe(exc), STATIC_SHAPES)
         self.kept, self.frozen_shapes = self.frozen_shapes, set()
         self.frozen = compile_model(_Calls(self.built[0]), dynamic=False, options=self.options)
         self.unfrozen = compile_model(_Calls(self.built[0]), options=self.options)
