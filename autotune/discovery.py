@@ -12,7 +12,7 @@ from autotune.backends.base import CallInputs
 from autotune.capture import failure_of
 from autotune.clone import clone
 from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
-from autotune.errors import ConfigError, NoTunableModulesError, listed
+from autotune.errors import ConfigError, NoTunableModulesError, did_you_mean, listed
 
 log = logging.getLogger("autotune")
 
@@ -61,15 +61,7 @@ def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) ->
 
     A module inside another tunable module is not tuned on its own: the outer one owns it.
     """
-    names = [name for name, _ in model.named_modules()]
-    for index, mp in enumerate(config_set):
-        for field in ("include", "exclude"):
-            for pattern in getattr(mp, field):
-                if not any(fnmatchcase(name, pattern) for name in names):
-                    raise ConfigError(
-                        f"config_set.{index}.{field}: pattern {pattern!r} matches no module of "
-                        f"{type(model).__name__}", [(f"config_set.{index}.{field}", pattern)])
-
+    _check_names(model, config_set)
     candidates: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if any(name.startswith(owner + ".") or owner == "" for owner in candidates):
@@ -90,6 +82,30 @@ def tunable_modules(model: nn.Module, config_set: list[MixedPrecisionConfig]) ->
         raise NoTunableModulesError(
             f"{type(model).__name__} has no module of the tunable types {wanted} left after include/exclude")
     return candidates
+
+
+def _check_names(model: nn.Module, config_set: list[MixedPrecisionConfig]) -> None:
+    """Raises ConfigError naming every include / exclude pattern that matches no module of `model`, and every
+    module type a config names that is no class of its modules nor of torch.nn (a typo, "Conv2dd", left the
+    model's convolutions untuned with a warning alone; a torch.nn class the model lacks is a config written for
+    other models too)."""
+    names = [name for name, _ in model.named_modules()]
+    classes = {form for module in model.modules() for cls in type(module).__mro__
+               for form in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")}
+    errors = []
+    for index, mp in enumerate(config_set):
+        for field in ("include", "exclude"):
+            errors += [(f"config_set.{index}.{field}", f"pattern {pattern!r} matches no module of "
+                        f"{type(model).__name__}") for pattern in getattr(mp, field)
+                       if not any(fnmatchcase(name, pattern) for name in names)]
+        if "module_types" in mp.model_fields_set:
+            known = classes | {n for n, value in vars(nn).items() if isinstance(value, type)
+                               and issubclass(value, nn.Module)} | set(MixedPrecisionConfig().module_types)
+            errors += [(f"config_set.{index}.module_types", f"{kind!r} is no class of {type(model).__name__}'s "
+                        f"modules nor of torch.nn{did_you_mean(kind, sorted(known))}")
+                       for kind in mp.module_types if kind not in known]
+    if errors:
+        raise ConfigError("; ".join(f"{path}: {message}" for path, message in errors), errors)
 
 
 # Sibling names of q/k/v projections in common models: BERT / ViT, BART / LLaMA / CLIP / Whisper, T5 / MPNet,

@@ -153,3 +153,19 @@ def test_recurrent_cells_stepped_in_a_loop_are_tuned_by_default_in_the_dtypes_th
     with torch.no_grad():
         out, reference = lowered(x), decoder(x)
     assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05) and not torch.equal(out, reference)
+
+
+def test_a_module_type_no_module_is_nor_torch_nn_has_is_an_error_with_a_hint_and_every_bad_name_is_named():
+    """`module_types=["Conv2dd", "Linear"]` tuned the Linears alone, the convolutions left with a warning."""
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError) as raised:
+        tunable_modules(net, [MixedPrecisionConfig(module_types=["Conv2dd", "Linear"], exclude=["9", "fc*"])])
+    message = str(raised.value)
+    assert "config_set.0.module_types: 'Conv2dd' is no class of Sequential's modules nor of torch.nn; did you mean " \
+           "'Conv2d'?" in message, message
+    assert "pattern '9' matches no module" in message and "pattern 'fc*' matches no module" in message, message
+    assert [path for path, _ in raised.value.errors] == ["config_set.0.exclude", "config_set.0.exclude",
+                                                         "config_set.0.module_types"]
+    # A torch.nn class the model lacks is a config written for other models too; a class given itself is its path.
+    assert list(tunable_modules(net, [MixedPrecisionConfig(module_types=["LSTM", nn.Linear])])) == ["2"]
+    assert MixedPrecisionConfig(module_types=nn.Conv2d).module_types == ["torch.nn.modules.conv.Conv2d"]

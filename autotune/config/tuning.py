@@ -140,6 +140,14 @@ class MixedPrecisionConfig(ConfigModel):
     def _dedupe(cls, value: list[str]) -> list[str]:
         return list(dict.fromkeys(value))
 
+    @field_validator("module_types", mode="before")
+    @classmethod
+    def _classes_by_path(cls, value: Any) -> Any:
+        """A class given itself (INC's habit: `nn.Linear`) stands for its dotted path."""
+        value = [value] if isinstance(value, type) else value
+        return [f"{v.__module__}.{v.__qualname__}" if isinstance(v, type) else v for v in value] \
+            if isinstance(value, list) else value
+
 
 def split_import_path(import_path: str) -> tuple[str, str]:
     """(module, attribute) of "package.module:attribute".
