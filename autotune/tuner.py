@@ -238,6 +238,13 @@ def _taking_the_model_alone(fn: Any, args: Sequence[Any] | None, name: str) -> C
     def called(model: nn.Module) -> Any:
         try:
             return fn(model, *(args or ()))
+        except TypeError as exc:
+            if args is not None or exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                raise      # raised inside fn, not by calling it
+            # INC's autotune takes eval_args fourth, where example_inputs are here: fn(model) missed its arguments.
+            raise EvalFunctionError(f"{name} cannot be called with the model alone ({exc}): what it takes after the "
+                                    f"model goes in {args_name}=(...), by keyword (INC's fourth argument; here the "
+                                    "fourth is example_inputs)") from exc
         finally:   # a training loop's evaluate() ends with model.train(): the model timed and returned stays in eval
             with suppress(NotImplementedError):   # torch.export's modules refuse train() and eval()
                 model.eval()

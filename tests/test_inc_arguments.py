@@ -185,3 +185,22 @@ def test_a_timeout_of_zero_inc_s_no_limit_says_how_to_write_no_limit():
     with pytest.raises(ConfigError, match=r"timeout: 0 seconds leaves no time; for no limit \(INC's 0\) leave timeout "
                                           "out or give null"):
         TuningConfig(timeout=0)
+
+
+def test_an_eval_fn_wanting_inc_eval_args_given_fourth_is_told_to_pass_them_by_keyword(storage):
+    """INC takes eval_args fourth; here the fourth is example_inputs, and a tensor there the model takes: the user
+    saw Python's "missing 1 required positional argument" alone."""
+    def eval_fn(model, batches):
+        return agreement(model, batches, small_model())
+
+    with pytest.raises(EvalFunctionError, match=r"eval_fn cannot be called with the model alone \(.*missing 1 "
+                       r"required positional argument: 'batches'\): what it takes after the model goes in "
+                       r"eval_args=\(\.\.\.\), by keyword"):
+        autotune(small_model(), config(storage), eval_fn, EVAL_BATCHES[0], measurer=HalfCostMeasurer(NAMES))
+
+    def raises_inside(model):    # a TypeError of its own is eval_fn's failure, as any other
+        return sorted([model, model])
+
+    with pytest.raises(EvalFunctionError) as raised:
+        autotune(small_model(), config(storage), raises_inside, EVAL_BATCHES[0], measurer=HalfCostMeasurer(NAMES))
+    assert "cannot be called with the model alone" not in str(raised.value)
