@@ -1379,6 +1379,33 @@ def test_building_calling_and_saving_a_compiled_int8_model_leaves_no_torch_inter
     assert_no_library_notes(done.stderr)
 
 
+MIXED_LOW_DTYPES = """
+import torch
+from torch import nn
+from autotune.engines import Calibration, get_engine, realise
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+x = torch.randn(4, 16)
+built = realise(model, {"0": "bf16", "2": "fp16"}, "inductor", Calibration([((x,), {})], {}))
+with torch.inference_mode():
+    for batch in (x, x[:3]):
+        get_engine("inductor").runnable(built)(batch)
+"""
+
+
+def test_a_plan_of_bf16_and_fp16_modules_compiles_without_inductors_note_of_their_meeting(tmp_path):
+    """torch 2.13's C++ code generation warned "bf16 and fp16 are mixed in the scheduler node" at each shape's
+    first call, of a finalist and of the model handed back alike: a note of its own, asking nothing."""
+    import os
+    import subprocess
+    import sys
+    cache = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))    # generated afresh: a cached kernel says nothing
+    done = subprocess.run([sys.executable, "-c", MIXED_LOW_DTYPES], capture_output=True, text=True, timeout=300,
+                          env=cache)
+    assert done.returncode == 0, done.stderr
+    assert "are mixed" not in done.stderr, done.stderr
+    assert_no_library_notes(done.stderr)
+
+
 def assert_no_library_notes(stderr: str) -> None:
     """No line of torch's log format (`W1125 08:10:10.267000 7502 torch/...`) and no warning or log record from a
     file of torch or torchao."""

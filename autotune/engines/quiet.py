@@ -34,6 +34,10 @@ WARNED_NOTES = (
 # of a compiled model too, so this one is dropped for the whole process (module-scoped: only that lowering's)
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning,
                         module=r"torch\._inductor\.mkldnn_lowerings")
+# and its C++ code generation notes a plan's bf16 and fp16 modules meeting in one fused kernel, at the first call
+# of each shape, where it computes each in its own dtype as asked
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning,
+                        module=r"torch\._inductor\.codegen\.cpp")
 
 
 class _DropNote(logging.Filter):
