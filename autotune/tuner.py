@@ -45,6 +45,7 @@ from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import (
     ENTRY_CALLS_ATTR,
     TIMED_CALLS_ATTR,
+    HandedState,
     changed,
     failing_as_the_baseline,
     study_baseline,
@@ -188,9 +189,11 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
     log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
              f"{space.size:,}" if space.size < 10 ** 15 else f"about 10^{len(str(space.size)) - 1}")
+    if setup.handed_state is not None:
+        eval_fn = setup.handed_state.scoring(eval_fn)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
                          config, measurer, callbacks, setup.batches, setup.shapes)
-    runner.eval_calls = setup.eval_calls
+    runner.eval_calls, runner.handed_state = setup.eval_calls, setup.handed_state
     if measured_here:
         # Evaluated now (unless stored already), while the other workers run the first trials: they only wait
         # for it to judge them.
@@ -261,6 +264,7 @@ class _Setup:
     shapes: list[Shape]
     sensitivity: dict[str, dict[str, float]]
     latency: dict[str, dict[str, float]]
+    handed_state: HandedState | None    # where the forward moves its buffers
 
 
 def usable_device(device: torch.device) -> torch.device:
@@ -340,10 +344,12 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
         with failing_as_the_baseline():
             batches = example_or_batches(fp32, eval_fn, None, device)
     probe = detach_clone(batches[0])    # the first call on it shows whether the model changes its inputs
-    buffers = tensor_sums(fp32.named_buffers())    # ... or its own state
+    buffers, handed = tensor_sums(fp32.named_buffers()), HandedState(fp32)    # ... or its own state
     calibration = _first_call(fp32, candidates, probe, example_inputs is not None)
     if moved := changed(buffers, tensor_sums(fp32.named_buffers()))[1]:
         log.warning(STATEFUL, listed(moved))
+        handed.keep_only(moved)
+        handed.put_back(fp32)
     if (marked := copied_per_call(batches, probe)) is not batches:
         log.info("the model changes the tensors it is called with in place: each call the tuner makes gets copies")
         batches = marked
@@ -360,13 +366,14 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
                     "when eval_fn did not call them; tune them in a new study", len(unknown), ", ".join(unknown))
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
                   if name in latency}
-    return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency)
+    return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency,
+                  handed if moved else None)
 
 
 # A forward updating buffers in eval mode (an EMA of its inputs, a call counter): the tuner's own calls move them.
 STATEFUL = ("the model's forward changes its buffers (%s): every call the tuner makes, its timing's included, moves "
-            "them, so plans are scored from the states earlier calls left, and the model handed back holds what its "
-            "last call left; keep such state outside the forward to tune the model")
+            "them; they are put back as the model was handed over before each eval_fn call and in the model handed "
+            "back (by name: a compiled finalist holding them otherwise keeps its own)")
 
 
 def _first_call(fp32: nn.Module, candidates: dict[str, list[str]], probe: CallInputs, given: bool
@@ -413,6 +420,8 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None,
     why the search stopped, for its summary."""
     with library_notes_dropped():   # finalists are built, compiled and saved there
         winner = verified_winner(runner, started + runner.config.timeout if runner.config.timeout else None)
+    if runner.handed_state is not None:    # its timing moved them
+        runner.handed_state.put_back(winner.model)
     study, first = runner.study, winner.by_shape[runner.shapes[0].name]
     shapes = [ShapeLatency(shape.name, shape.weight, winner.by_shape[shape.name]["fp32"],
                            winner.by_shape[shape.name]["best"]) for shape in runner.shapes]

@@ -523,3 +523,26 @@ def test_a_model_whose_forward_changes_its_buffers_is_warned_of_naming_them(stor
         autotune(RunningMean(stateful).eval(), config, lambda model: model(x).abs().mean().item(), example_inputs=x)
     said = "the model's forward changes its buffers (ema, calls): every call the tuner makes, its timing's included"
     assert (said in caplog.text) is stateful, caplog.text
+
+
+def test_every_plan_of_a_model_moving_its_buffers_is_scored_from_its_state_as_handed_over(storage):
+    """Plans were scored from the states earlier calls left (its EMA drifting toward the inputs' mean of 3), and
+    the model handed back held what its last timing call left."""
+    torch.manual_seed(0)
+    model, x = RunningMean(True).eval(), torch.randn(64, 16) + 3
+    with torch.no_grad():
+        reference = copy.deepcopy(model)(x)
+
+    def eval_fn(net):   # agreement with the handed-over model's first answer
+        with torch.no_grad():
+            return -float((net(x) - reference).abs().mean())
+
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.05,
+                          loss_kind="absolute", engines=["eager"], max_trials=4, repeats=3, storage=storage)
+    result = autotune(model, config, eval_fn, example_inputs=x)
+    assert result.baseline.accuracy == 0.0
+    evaluated = [t for t in result.study.trials if t.user_attrs.get("evaluated")]
+    assert evaluated and all(t.user_attrs["accuracy_loss"] < 0.05 for t in evaluated), \
+        [(t.user_attrs["plan"], t.user_attrs["accuracy_loss"]) for t in evaluated]
+    assert torch.equal(result.model.ema, torch.zeros(16)) and int(result.model.calls) == 0
+    assert torch.equal(model.ema, torch.zeros(16))     # the user's model untouched

@@ -115,6 +115,36 @@ def scored(eval_fn: Callable[[nn.Module], Any], model: nn.Module, seconds: float
     return score
 
 
+class HandedState:
+    """The buffers a model's own forward moves in eval mode (an EMA of its inputs, a call counter), as the model was
+    handed over. Every call the tuner makes moves them, its timing's included: plans were scored from the states
+    earlier calls left, good ones rejected ("lost at least 0.062" where they lost 0.0001). They are put back
+    before each eval_fn call (`scoring`) and in the model handed back. By name: a module a plan replaced, or a
+    compiled graph, may hold them under other names, and then keeps its own."""
+
+    def __init__(self, fp32: nn.Module):
+        self.values = {name: buffer.detach().clone() for name, buffer in fp32.named_buffers()}
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        self.values = {name: self.values[name] for name in names if name in self.values}
+
+    def put_back(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for name, value in self.values.items():
+                try:
+                    buffer = model.get_buffer(name)
+                except AttributeError:
+                    continue
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+
+    def scoring(self, eval_fn: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+        def from_the_handed_state(model: nn.Module) -> Any:
+            self.put_back(model)
+            return eval_fn(model)
+        return from_the_handed_state
+
+
 @contextmanager
 def failing_as_the_baseline() -> Iterator[None]:
     """Reports any failure of eval_fn on the fp32 model (its inputs' capture included) as the baseline's."""

@@ -31,7 +31,7 @@ from autotune.measure.shapes import Shape, weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.plan import Plan, apply_plan, plan_key, summarize
 from autotune.search.guided import Status
-from autotune.search.scores import scored, study_baseline
+from autotune.search.scores import HandedState, scored, study_baseline
 from autotune.search.space import SearchSpace
 from autotune.storage import study as studies
 from autotune.storage.claims import PlanClaims, lease
@@ -119,6 +119,7 @@ class TrialRunner:
         self.baseline_eval_s = 0.0
         self.refresh()
         self.eval_calls = 0
+        self.handed_state: HandedState | None = None   # buffers its forward moves, put back in the model handed back
         self._last: FrozenTrial | None = None
         self._running: tuple[int, str | None] | None = None   # (number, plan key) of the trial the objective runs
         self._end_turn: Callable[[], None] | None = None      # releases the turn start_next holds
