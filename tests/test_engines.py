@@ -314,7 +314,7 @@ def test_a_model_inductor_cannot_freeze_for_a_dynamic_batch_answers_every_batch_
             assert ((out - reference).norm() / reference.norm()).item() < 0.05, n
     assert runnable.unfrozen is not None
     assert len(runnable.frozen_shapes | runnable.kept) == 3
-    assert (((8, 1, 12, 12),), False, True) in runnable.frozen_shapes     # (shapes, grad on, inference mode)
+    assert ((((8, 1, 12, 12), torch.float32),), False, True) in runnable.frozen_shapes   # grad on, inference mode
     # Logged, not warned: a process serving a saved model printed it at its first new batch size.
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "cannot freeze" in r.getMessage()]
     assert len(said) == 1 and said[0][0] == logging.INFO and "AssertionError: expected size" in said[0][1]
@@ -1841,3 +1841,49 @@ def test_a_refused_image_size_leaves_a_compiled_conv_net_running_the_batches_it_
         with mode():
             assert torch.allclose(runnable(x), expected, atol=1e-4)
             assert runnable(torch.randn(9, 1, 16, 16)).shape == (9, 10)
+    # An input in another dtype is refused as the model handed over refuses it: inductor's int8 lowering failed on
+    # an fp16 one, and the model stepped down to dequantised int8 (2.5x slower) for the rest of the process.
+    before = runnable.unfrozen, set(runnable.unfreezable), set(runnable.frozen_shapes)
+    for dtype in (torch.float16, torch.float64):
+        with torch.inference_mode(), pytest.raises(TypeError, match=f"takes torch.float32 inputs, as it was tuned "
+                                                                    f"on; got {dtype}: cast them first"):
+            runnable(x.to(dtype))
+    assert (runnable.unfrozen, runnable.unfreezable, runnable.frozen_shapes) == before
+
+
+def test_inductors_freezing_stays_on_while_any_thread_calls_a_frozen_model():
+    """Two threads serving frozen models at once, one finishing while the other compiles: the one compiling keeps
+    freezing on (inductor's config is per thread in torch 2.13; a switch shared by the process would be turned
+    off under it, and its code run unfrozen for good)."""
+    import threading
+
+    from torch._inductor import config as inductor_config
+
+    from autotune.engines import frozen
+    first_in, second_in, first_out, seen = threading.Event(), threading.Event(), threading.Event(), []
+
+    class First(nn.Module):      # a call that began before the other and ends while it compiles
+        def forward(self, x):
+            first_in.set()
+            second_in.wait(10)
+            return x
+
+    class Second(nn.Module):     # a first call: compiles, reading the switch as it goes
+        def forward(self, x):
+            second_in.set()
+            first_out.wait(10)
+            seen.append(inductor_config.freezing)
+            return x
+
+    first, second = frozen.FrozenCompiled(nn.Identity()), frozen.FrozenCompiled(nn.Identity())
+    first.frozen, second.frozen = First(), Second()
+    prior = inductor_config.freezing
+    one = threading.Thread(target=first._call_frozen, args=(torch.zeros(1),))
+    one.start()
+    assert first_in.wait(10)
+    two = threading.Thread(target=second._call_frozen, args=(torch.zeros(1),))
+    two.start()
+    one.join(10)
+    first_out.set()
+    two.join(10)
+    assert seen == [True] and inductor_config.freezing == prior

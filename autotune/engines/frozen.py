@@ -81,12 +81,13 @@ class FrozenCompiled(nn.Module):
         return self._frozen_call(*args, **kwargs)
 
     def _frozen_call(self, *args, **kwargs):
-        shapes = (tuple(a.shape for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
-                  else tuple(t.shape for t in tensors((args, kwargs))))
+        shapes = (tuple((a.shape, a.dtype) for a in args) if not kwargs and all(type(a) is torch.Tensor for a in args)
+                  else tuple((t.shape, t.dtype) for t in tensors((args, kwargs))))
         if shapes not in self.taken:
             # Inputs the graph itself refuses raise its error, the caller's, before compiled code sees them:
             # torch.compile's attempt at a 28x28 image for a conv net of 16x16 ones left code that failed every
             # later call at a batch it had run (torch 2.13: "expected size 32==32, stride 1==256").
+            self._check_dtypes(args, kwargs)
             self.built[0](*args, **kwargs)
             self.taken.add(shapes)
         # With the grad mode: code compiled for a shape under no_grad is not the code inference_mode runs, and a
@@ -104,6 +105,16 @@ class FrozenCompiled(nn.Module):
         self.frozen_shapes.add(call)
         return out
 
+    def _check_dtypes(self, args: tuple, kwargs: dict) -> None:
+        """Raises TypeError for floating-point inputs of another dtype than the first call's, as the model handed
+        over does: the graph runs an fp16 one, inductor's int8 lowering fails on it, and that failure made the model
+        step down to dequantised int8 (2.5x slower) for good."""
+        built_for = {t.dtype for t in tensors(self.example) if t.is_floating_point()}
+        given = {t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()}
+        if built_for and (other := given - built_for):
+            raise TypeError(f"this compiled model takes {', '.join(sorted(map(str, built_for)))} inputs, as it was "
+                            f"tuned on; got {', '.join(sorted(map(str, other)))}: cast them first")
+
     def _call_frozen(self, *args, **kwargs):
         """`frozen` called with freezing on, on every call: code compiled for a shape can be dropped (a user's
         `torch.compiler.reset()`) and compiled again at any call. Through inductor's config module: dynamo reads the
@@ -113,7 +124,7 @@ class FrozenCompiled(nn.Module):
         Without the module the graph runs compiled unfrozen."""
         if _inductor_config is None:
             return self.frozen(*args, **kwargs)
-        prior = _inductor_config.freezing
+        prior = _inductor_config.freezing     # the calling thread's: inductor's config is per thread
         _inductor_config.freezing = True
         try:
             return self.frozen(*args, **kwargs)
