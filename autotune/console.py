@@ -14,9 +14,9 @@ def main() -> None:
     try:
         command_line(prog_name="autotune")
     except SystemExit as done:
-        if done.code != interrupts.INTERRUPTED:
+        if done.code not in (interrupts.INTERRUPTED, interrupts.STOPPED):
             raise
         # Stopped, and said so: shutting the interpreter down takes seconds with torch loaded, and Python gives
         # Ctrl-C back to the system meanwhile, so a second one ended the process by the signal.
         sys.stdout.flush()
-        os._exit(interrupts.INTERRUPTED)
+        os._exit(done.code)

@@ -1,5 +1,6 @@
-"""What a Ctrl-C does to an `autotune` command: it stops the command, keeps every finished trial, and says so
-in one line, once, from the process the user started (the helper processes of `tune --workers N` say nothing).
+"""What a Ctrl-C (or a SIGTERM: `docker stop`, a scheduler ending a job) does to an `autotune` command: it stops
+the command, keeps every finished trial, and says so in one line, once, from the process the user started (the
+helper processes of `tune --workers N` say nothing); the exit code is 128 + the signal's number.
 
 - Before a command's own handler is installed (the command line imports torch first: seconds on a busy host) and
   after it is given back, `stop_at_once` ends the process: there is nothing to keep then, and Python's own
@@ -17,7 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
+STOPPED = 143         # 128 + SIGTERM
 INTERRUPTED_LINE = "Error: interrupted; every finished trial is kept: run the same command again to resume"
+STOPPED_LINE = "Error: stopped by SIGTERM; every finished trial is kept: run the same command again to resume"
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HELPER_FLAG = "--as-helper"    # `tune`'s hidden flag for the processes `--workers` starts: their starter speaks
 CLEAN_UP_S = 20      # after a Ctrl-C, the longest its clean-up may take before the process ends without it
 
@@ -31,10 +35,16 @@ class Interrupts:
     def __init__(self) -> None:
         self.received = False
         self.said = False
+        self.signal = signal.SIGINT
         self.deadline: threading.Timer | None = None
 
-    def handle(self, _signum: int, _frame: Any) -> None:
+    @property
+    def exit_code(self) -> int:
+        return STOPPED if self.signal == signal.SIGTERM else INTERRUPTED
+
+    def handle(self, signum: int, _frame: Any) -> None:
         if not self.received:
+            self.signal = signum
             self._arm_deadline()
         self.received = True
         raise KeyboardInterrupt
@@ -47,7 +57,7 @@ class Interrupts:
         def end_now() -> None:
             self.say(f"the clean-up after Ctrl-C ran past {CLEAN_UP_S} s and was cut short: a trial it left running "
                      "fails when the study resumes", raw=True)
-            os._exit(INTERRUPTED)
+            os._exit(self.exit_code)
 
         self.deadline = threading.Timer(CLEAN_UP_S, end_now)
         self.deadline.daemon = True
@@ -76,7 +86,8 @@ class Interrupts:
         if self.said or HELPER_FLAG in sys.argv[1:]:
             return
         self.said = True
-        text = "".join(f"{line}\n" for line in (*notes, INTERRUPTED_LINE))
+        text = "".join(f"{line}\n" for line in (*notes, STOPPED_LINE if self.signal == signal.SIGTERM
+                                                   else INTERRUPTED_LINE))
         if raw:
             os.write(sys.stderr.fileno(), text.encode())
         else:
@@ -87,15 +98,18 @@ class Interrupts:
 interrupts = Interrupts()
 
 
-def stop_at_once(_signum: int, _frame: Any) -> None:
-    """A SIGINT handler for a process with nothing to clean up: it says the line and exits."""
+def stop_at_once(signum: int, _frame: Any) -> None:
+    """A handler for a process with nothing to clean up: it says the line and exits."""
     try:
         sys.stdout.flush()     # a summary printed into a pipe, not yet written
     except Exception:  # the interrupted code was writing it: nothing more to save
         pass
+    if not interrupts.said:
+        interrupts.signal = signum
     interrupts.say(raw=True)
-    os._exit(INTERRUPTED)
+    os._exit(interrupts.exit_code)
 
 
 def install() -> None:
-    signal.signal(signal.SIGINT, stop_at_once)
+    for number in SIGNALS:
+        signal.signal(number, stop_at_once)

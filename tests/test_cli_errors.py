@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 import torch
 import yaml
@@ -344,7 +345,11 @@ def test_a_ctrl_c_whose_clean_up_hangs_still_ends_the_process_soon_and_says_so_o
         assert "cut short: a trial it left running fails when the study resumes" in err, err
 
 
-def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("sent,code,said", [
+    (signal.SIGINT, 130, "interrupted"),
+    (signal.SIGTERM, 143, "stopped by SIGTERM"),     # `docker stop`: it killed the process mid-trial, unsaid
+])
+def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_path, sent, code, said):
     data = yaml.safe_load(SHIPPED.read_text())
     data["evaluation"]["kwargs"]["limit"] = 500
     data["tuning"].update(max_trials=2, repeats=3, warmup=1, storage=f"sqlite:///{tmp_path}/s.db")
@@ -355,12 +360,14 @@ def test_ctrl_c_during_tune_is_one_line_and_exit_130_and_the_run_resumes(tmp_pat
     while not study_exists(tmp_path / "s.db", "mnist") and time.monotonic() < deadline:
         time.sleep(0.2)       # the study exists once imports are done: the baseline and trials follow
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sent)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out + err
+    assert proc.returncode == code, out + err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Aborted" not in err, err
     assert [line for line in err.splitlines() if line.startswith("Error:")] == [
-        "Error: interrupted; every finished trial is kept: run the same command again to resume"]
+        f"Error: {said}; every finished trial is kept: run the same command again to resume"]
+    study = optuna.load_study(study_name="mnist", storage=f"sqlite:///{tmp_path}/s.db")
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))    # the trial it stopped, said so
     resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "speedup" in resumed.stdout

@@ -15,7 +15,7 @@ from optuna.storages import RDBStorage
 
 from autotune.config import DEFAULT_STORAGE
 from autotune.errors import AutotuneError
-from autotune.interrupts import INTERRUPTED, interrupts
+from autotune.interrupts import SIGNALS, interrupts
 from autotune.storage.rdb import (
     cannot_write,
     database_error,
@@ -55,7 +55,7 @@ storage_option = click.option("--storage", envvar="AUTOTUNE_STORAGE", default=No
                                    f"$AUTOTUNE_STORAGE_FILE names, else {DEFAULT_STORAGE}]")
 
 
-INPUT_ERROR, UNEXPECTED = 2, 1     # exit codes (README, "YAML files and the CLI"), with errors.INTERRUPTED
+INPUT_ERROR, UNEXPECTED = 2, 1     # exit codes (README, "YAML files and the CLI"); interrupts has the others
 BROKEN_PIPE = 141   # 128 + SIGPIPE, as a shell reports a filter its reader left
 
 
@@ -65,12 +65,12 @@ class CliError(click.ClickException):
 
 class _Group(click.Group):
     """One error path for every command: a failure the user can cause is one `Error: ...` line and exit code 2,
-    Ctrl-C one line and 130, anything else one line and 1; a traceback only with --debug."""
+    Ctrl-C one line and 130 (SIGTERM 143), anything else one line and 1; a traceback only with --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
         interrupts.received = interrupts.said = False
         main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, interrupts.handle) if main_thread else None
+        previous = {number: signal.signal(number, interrupts.handle) for number in SIGNALS} if main_thread else {}
         previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(interrupts.unraisable,
                                                                                  sys.unraisablehook)
         try:
@@ -98,13 +98,13 @@ class _Group(click.Group):
         finally:
             interrupts.disarm()
             sys.unraisablehook = previous_hook
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
 
 
 def _interrupted(ctx: click.Context) -> None:
     interrupts.say()
-    ctx.exit(INTERRUPTED)
+    ctx.exit(interrupts.exit_code)
 
 
 def _as_cli_error(exc: Exception) -> click.ClickException:
