@@ -35,16 +35,16 @@ class Interrupts:
     def __init__(self) -> None:
         self.received = False
         self.said = False
-        self.signal = signal.SIGINT
+        self.signum = signal.SIGINT
         self.deadline: threading.Timer | None = None
 
     @property
     def exit_code(self) -> int:
-        return STOPPED if self.signal == signal.SIGTERM else INTERRUPTED
+        return STOPPED if self.signum == signal.SIGTERM else INTERRUPTED
 
     def handle(self, signum: int, _frame: Any) -> None:
         if not self.received:
-            self.signal = signum
+            self.signum = signum
             self._arm_deadline()
         self.received = True
         raise KeyboardInterrupt
@@ -55,7 +55,8 @@ class Interrupts:
         to stop now. What is committed stays; a trial left running fails when the study resumes, as one of a
         killed run does."""
         def end_now() -> None:
-            self.say(f"the clean-up after Ctrl-C ran past {CLEAN_UP_S} s and was cut short: a trial it left running "
+            what = "SIGTERM" if self.signum == signal.SIGTERM else "Ctrl-C"
+            self.say(f"the clean-up after {what} ran past {CLEAN_UP_S} s and was cut short: a trial it left running "
                      "fails when the study resumes", raw=True)
             os._exit(self.exit_code)
 
@@ -86,7 +87,7 @@ class Interrupts:
         if self.said or HELPER_FLAG in sys.argv[1:]:
             return
         self.said = True
-        text = "".join(f"{line}\n" for line in (*notes, STOPPED_LINE if self.signal == signal.SIGTERM
+        text = "".join(f"{line}\n" for line in (*notes, STOPPED_LINE if self.signum == signal.SIGTERM
                                                    else INTERRUPTED_LINE))
         if raw:
             os.write(sys.stderr.fileno(), text.encode())
@@ -105,7 +106,7 @@ def stop_at_once(signum: int, _frame: Any) -> None:
     except Exception:  # the interrupted code was writing it: nothing more to save
         pass
     if not interrupts.said:
-        interrupts.signal = signum
+        interrupts.signum = signum
     interrupts.say(raw=True)
     os._exit(interrupts.exit_code)
 
