@@ -1839,7 +1839,8 @@ def test_a_refused_image_size_leaves_a_compiled_conv_net_running_the_batches_it_
         runnable(torch.randn(2, 1, 28, 28))
     for mode in (torch.inference_mode, torch.no_grad):
         with mode():
-            assert torch.allclose(runnable(x), expected, atol=1e-4)
+            # As the graph answers: frozen int8 kernels, or dequantised where a mode's compile stepped down
+            assert ((runnable(x) - expected).norm() / expected.norm()).item() < 0.05
             assert runnable(torch.randn(9, 1, 16, 16)).shape == (9, 10)
     # An input in another dtype is refused as the model handed over refuses it: inductor's int8 lowering failed on
     # an fp16 one, and the model stepped down to dequantised int8 (2.5x slower) for the rest of the process.
