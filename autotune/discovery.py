@@ -90,8 +90,10 @@ def _check_names(model: nn.Module, config_set: list[MixedPrecisionConfig]) -> No
     model's convolutions untuned with a warning alone; a torch.nn class the model lacks is a config written for
     other models too)."""
     names = [name for name, _ in model.named_modules()]
-    classes = {form for module in model.modules() for cls in type(module).__mro__
-               for form in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")}
+    known = ({form for module in model.modules() for cls in type(module).__mro__
+              for form in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")}
+             | {n for n, value in vars(nn).items() if isinstance(value, type) and issubclass(value, nn.Module)}
+             | set(MixedPrecisionConfig().module_types))
     errors = []
     for index, mp in enumerate(config_set):
         for field in ("include", "exclude"):
@@ -99,8 +101,6 @@ def _check_names(model: nn.Module, config_set: list[MixedPrecisionConfig]) -> No
                         f"{type(model).__name__}") for pattern in getattr(mp, field)
                        if not any(fnmatchcase(name, pattern) for name in names)]
         if "module_types" in mp.model_fields_set:
-            known = classes | {n for n, value in vars(nn).items() if isinstance(value, type)
-                               and issubclass(value, nn.Module)} | set(MixedPrecisionConfig().module_types)
             errors += [(f"config_set.{index}.module_types", f"{kind!r} is no class of {type(model).__name__}'s "
                         f"modules nor of torch.nn{did_you_mean(kind, sorted(known))}")
                        for kind in mp.module_types if kind not in known]

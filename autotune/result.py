@@ -9,6 +9,7 @@ from torch import nn
 
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
+from autotune.storage.study import score_name
 
 CONTENDED = ("other processes kept the CPUs busy while {shapes} was timed: threads sharing cores with other work "
              "can run many times slower, unevenly, so the speedup may be far off however steady its timing looked; "
@@ -82,7 +83,7 @@ class TuningResult:
 
     def summary(self) -> str:
         rows = [("", f"{self.held} baseline", "tuned"),
-                ("accuracy", formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
+                (score_name(self.study), formatted(self.baseline.accuracy), formatted(self.best.accuracy)),
                 ("latency ms (median ± IQR)", _latency(self.baseline.latency), _latency(self.best.latency)),
                 ("weights MiB", f"{self.baseline.weight_bytes / 2**20:.2f}", f"{self.best.weight_bytes / 2**20:.2f}")]
         engine = self.engine + (f" + {', '.join(self.knobs)}" if self.knobs else "")

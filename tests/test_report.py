@@ -387,3 +387,25 @@ def test_the_history_charts_trial_axis_has_whole_trial_numbers(tuned, monkeypatc
     charts.history_chart(rows[:3], chosen)
     ticks = drawn[0].axes[0].get_xticks()
     assert len(ticks) and all(float(tick).is_integer() for tick in ticks), ticks
+
+
+def test_a_study_scored_by_a_loss_names_its_score_so_in_the_summary_show_and_the_report(tmp_path):
+    """An eval_fn returning a mean squared error (higher_is_better=False) had its numbers called "accuracy"."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval(), torch.randn(16, 8)
+    storage = f"sqlite:///{tmp_path}/loss.db"
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), repeats=3,
+                          tolerable_loss=1.0, loss_kind="absolute", higher_is_better=False, max_trials=2,
+                          storage=storage, study_name="mse")
+    with torch.no_grad():
+        result = autotune(model, config, lambda net: float(((net(x) - model(x)) ** 2).mean()), x)
+    shown = CliRunner().invoke(main, ["show", "mse", "--storage", storage])
+    assert shown.exit_code == 0, shown.output
+    page = html_report(result.study)
+    for text in (result.summary(), shown.output, page):
+        assert "score (lower is better)" in text and "accuracy 0" not in text and "accuracy  " not in text
+    assert "baseline score (lower is better) 0" in shown.output and "Baseline score (lower is better) 0" in page

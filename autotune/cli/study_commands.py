@@ -195,7 +195,8 @@ def show(study_name: str, storage: str) -> None:
     study = load_study(study_name, storage)
     shapes = studies.get_attr(study, "latency_shapes") or {}
     by_shape = len(shapes) > 1
-    rows = [["#", "source", "plan id", "plan", "accuracy", "latency/fp32", *(["by shape"] if by_shape else []),
+    score = studies.score_name(study)
+    rows = [["#", "source", "plan id", "plan", score, "latency/fp32", *(["by shape"] if by_shape else []),
              "result"]]
     kept = studies.kept_dtype(study)     # a plan's "fp32" keeps a module in the dtype it was handed over in
     # A pareto study's front: the trials a user picks from (`export --trial N`)
@@ -222,12 +223,12 @@ def show(study_name: str, storage: str) -> None:
     if any(row[-1] == "stopped" for row in rows):
         click.echo("stopped: its process was interrupted or died mid-trial; its plan was queued again")
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
-    click.echo(f"baseline accuracy {formatted(baseline)}")
+    click.echo(f"baseline {score} {formatted(baseline)}")
     best = studies.get_attr(study, "best")
     if best is None:
         click.echo(f"no best plan recorded yet ({studies.why_no_best(study)})")
         return
-    click.echo(f"best: accuracy {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
+    click.echo(f"best: {score} {formatted(best['accuracy'])}, speedup {best_speedup(best)}, "
                f"{summarize(best['plan'], kept)}{_runs_as(best)}")
     if by_shape:
         click.echo("latency weighted over shapes " + ", ".join(f"{name} ×{weight:g}" for name, weight in shapes.items())

@@ -24,7 +24,7 @@ def _data_uri(fig: Figure) -> str:
 
 
 def accuracy_latency_chart(rows: list[Row], chosen: Chosen | None, baseline: float | None,
-                           limit: float | None) -> str:
+                           limit: float | None, score: str = "accuracy") -> str:
     """Accuracy vs in-trial speedup, points numbered by trial, the chosen plan at its re-timed speedup."""
     fig = Figure(figsize=(9, 5.2), dpi=110)
     ax = fig.subplots()
@@ -54,7 +54,7 @@ def accuracy_latency_chart(rows: list[Row], chosen: Chosen | None, baseline: flo
     if chosen is not None:
         _mark_chosen(ax, chosen)
     ax.set_xlabel("speedup vs fp32 (fp32 ms / plan ms; higher is faster)")
-    ax.set_ylabel("accuracy (eval_fn score)")
+    ax.set_ylabel(f"{score} (eval_fn)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _data_uri(fig)

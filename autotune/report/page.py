@@ -50,12 +50,12 @@ def _figure(alt: str, uri: str, caption: str) -> str:
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
-def trials_section(rows: list[Row]) -> str:
+def trials_section(rows: list[Row], score: str = "accuracy") -> str:
     """The numbered table of evaluated trials: the numbers are those on the plots."""
     # Several shapes: the ratio is their weighted mean, the milliseconds the first shape's (the others: `shapes`).
     shapes = next((list(row.by_shape) for row in rows if row.by_shape), [])
     several = len(shapes) > 1
-    header = ["#", "plan id", "plan", "source", "accuracy", "loss",
+    header = ["#", "plan id", "plan", "source", score, "loss",
               f"latency/fp32 in trial{', weighted over shapes' if several else ''} (speedup)",
               f"plan ms ± IQR (fp32 ms) in trial{f', at {shapes[0]}' if several else ''}", "result", "chosen"]
     body, classes = [], []
@@ -80,7 +80,7 @@ def trials_section(rows: list[Row]) -> str:
             + _table(header, body, classes).replace("<table>", "<table class='trials'>", 1))
 
 
-def chosen_section(chosen: Chosen | None, baseline: float | None, why_none: str = "") -> str:
+def chosen_section(chosen: Chosen | None, baseline: float | None, why_none: str = "", score: str = "accuracy") -> str:
     """Baseline vs the chosen plan, and how its re-timed speedup relates to its trial's timing. The baseline is
     the model in the dtype it was handed over in (`chosen.kept`); `why_none`: why there is no chosen plan."""
     if chosen is None:
@@ -89,14 +89,14 @@ def chosen_section(chosen: Chosen | None, baseline: float | None, why_none: str 
     trial = chosen.trial
     source = (f"<a href='#trial-{trial.number}'>trial #{trial.number}</a>" if trial is not None
               else f"the {held} model (no trial)" if is_baseline(chosen.plan) else "no evaluated trial")
-    rows = [["accuracy", formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
+    rows = [[score, formatted(baseline), formatted(chosen.accuracy) + " (re-evaluated)"],
             [f"speedup vs the {held} baseline", "1.00x",
              f"{speedup_text(chosen.speedup, chosen.noise, chosen.busy)} (re-timed)"],
             ["plan", held, (f"{_plan_code(chosen.plan)[0]} {html.escape(chosen.summary)}",)],
             ["first evaluated in", "-", (source,)]]
     if trial is not None and trial.speedup is not None:
         rows.append(["in its trial", "-", f"latency/fp32 {trial.ratio:.3f} ({trial.speedup:.2f}x), "
-                                          f"accuracy {formatted(trial.accuracy)}"])
+                                          f"{score} {formatted(trial.accuracy)}"])
     rows += [[key.replace("_", " "), "-", _shown(key, value)] for key, value in chosen.extra.items()]
     caption = ("The chosen plan is the one the tuner returned: after the search, the best passing plans were "
                "timed again together with fp32 and the fastest was re-evaluated. Its speedup here is from that "
@@ -250,8 +250,8 @@ def _intro(study: optuna.Study, rows: list[Row], baseline: float | None, setting
     return (f"<h1>autotune study {html.escape(study.study_name)}</h1>"
             f"<p>{len(rows)} plans evaluated ({errors} of them with an eval_fn error) in {len(study.trials)} "
             f"trials; {reused} reused an earlier result, {lost} ended without one, {pending} running or queued. "
-            f"Baseline accuracy {formatted(baseline)}" + (f"; timed on {html.escape(str(device))}." if device else ".")
-            + "</p>")
+            f"Baseline {studies.score_name(study)} {formatted(baseline)}"
+            + (f"; timed on {html.escape(str(device))}." if device else ".") + "</p>")
 
 
 SECTIONS = (("chosen", "chosen plan"), ("plot", "accuracy vs latency"), ("shapes", "latency by shape"),
@@ -265,7 +265,8 @@ def _nav(body: str) -> str:
                              if f"<h2 id='{anchor}'>" in body) + "</nav>"
 
 
-def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None, settings: dict[str, Any]) -> str:
+def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None, settings: dict[str, Any],
+                  score: str = "accuracy") -> str:
     done = sum(r.ratio is not None for r in rows)
     caption = "Each point is a trial, numbered as in the table below, " + {
         "in-trial timing": "at the speedup its plan showed when timed once against fp32 within that trial. ",
@@ -281,7 +282,7 @@ def _plot_section(rows: list[Row], chosen: Chosen | None, baseline: float | None
             else ": no trial evaluated its plan (a finalist built from the trials' results).")
     if done > LABEL_LIMIT:
         caption += f" With more than {LABEL_LIMIT} trials only the Pareto front and the chosen plan are numbered."
-    chart = accuracy_latency_chart(rows, chosen, baseline, tolerance_limit(baseline, settings))
+    chart = accuracy_latency_chart(rows, chosen, baseline, tolerance_limit(baseline, settings), score)
     return "<h2 id='plot'>Accuracy vs latency</h2>" + _figure("accuracy vs latency", chart, caption)
 
 
@@ -304,9 +305,10 @@ def html_report(study: optuna.Study) -> str:
     baseline = studies.get_attr(study, studies.BASELINE_ATTR)
     settings = studies.get_attr(study, "settings") or {}
     timed = any(r.ratio is not None for r in rows)
-    parts = [chosen_section(chosen, baseline, studies.why_no_best(study)),
-             _plot_section(rows, chosen, baseline, settings) if timed else "",
-             shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows),
+    score = studies.score_name(study)
+    parts = [chosen_section(chosen, baseline, studies.why_no_best(study), score),
+             _plot_section(rows, chosen, baseline, settings, score) if timed else "",
+             shapes_section(rows, chosen, studies.get_attr(study, "latency_shapes") or {}), trials_section(rows, score),
              _history_section(rows, chosen) if timed else "",
              finalists_section(studies.get_attr(study, "finalist_setup_s") or {},
                                studies.get_attr(study, "finalist_ratio") or {},

@@ -181,6 +181,13 @@ def _recorded(study: optuna.Study, key: str, value: Any) -> Any:
     return stored
 
 
+def score_name(study: optuna.Study) -> str:
+    """What the study's eval_fn scores are called where they are shown: "accuracy", or "score (lower is better)"
+    for a study tuned with higher_is_better=False (a loss, an error rate, a perplexity)."""
+    requirement = get_attr(study, "requirement") or {}
+    return "accuracy" if requirement.get("higher_is_better", True) else "score (lower is better)"
+
+
 def get_attr(study: optuna.Study, key: str) -> Any:
     return study.user_attrs.get(ATTR_PREFIX + key)
 
