@@ -183,7 +183,7 @@ def test_apply_saves_a_model_that_matches_the_plan(tuned):
 
 @pytest.mark.parametrize("engine, out, said", [
     # An eager plan was written with torch.save under the name the README keeps for exported graphs.
-    ("eager", "m.pt2", ["m.pt2: the eager engine saves the model with torch.save", "name it .pt"]),
+    ("eager", "m.pt2", ["m.pt2: the eager engine saves the model with torch.save", "name it m.pt, or give no suffix"]),
     # `apply --out unet_tuned.pt` of a compiled plan wrote a torch.export file under torch.save's name, unsaid.
     ("compiled", "m.pt", ["m.pt: the compiled engine saves the model as a torch.export graph", "name it m.pt2"]),
 ])
@@ -195,6 +195,25 @@ def test_apply_refuses_a_file_name_the_engines_saved_model_cannot_be_loaded_by(t
                  env={"TUNE_DIR": str(folder)})
     assert_clear_error(result, *said)
     assert not (folder / out).exists()
+
+
+def test_apply_to_a_name_without_suffix_saves_with_the_suffix_of_the_engine_the_plan_runs_in(tuned, monkeypatch):
+    """The README's `--out mnist_tuned.pt2` failed wherever the winner was not the compiled engine's, after the plan
+    was built; which engine wins differs from machine to machine. A wrong suffix is refused before any work."""
+    from autotune.cli import study_commands
+
+    folder, config, _, _ = tuned
+    plan_file = folder / "eager-plan.json"
+    plan_file.write_text(json.dumps({"plan": {"features.0": "int8"}, "engine": "eager"}))
+    result = run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "tuned"),
+                 env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert f"wrote {folder / 'tuned.pt'}:" in result.output and not (folder / "tuned").exists()
+    assert isinstance(torch.load(folder / "tuned.pt", weights_only=False).features[0], StaticInt8Conv2d)
+    assert study_commands.saved_model_path("m", "compiled") == "m.pt2"
+    monkeypatch.setattr(study_commands, "apply_saved_plan", lambda *a: pytest.fail("built before the name was checked"))
+    assert_clear_error(run("apply", str(plan_file), "--config", str(config), "--out", str(folder / "m.pt2"),
+                           env={"TUNE_DIR": str(folder)}), "name it m.pt")
 
 
 def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closest(tuned):

@@ -371,16 +371,12 @@ def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
               help="the YAML config the model comes from")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), callback=lambda _c, _p, v: writable(v),
-              help="where to save the tuned model (the command says how to load it)")
+              help="where to save the tuned model; with no suffix, the engine's (.pt2 for compiled, else .pt); the "
+                   "command says how to load it")
 def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
+    out = saved_model_path(out, read_plan(plan_path).engine)    # checked before the plan is built
     applied = apply_saved_plan(load_config(config_path), plan_path)
-    if Path(out).suffix == ".pt2" and applied.engine != "compiled":
-        raise CliError(f"{out}: the {applied.engine} engine saves the model with torch.save, which "
-                       "torch.export.load cannot read: name it .pt (.pt2 is for the compiled engine's exported graph)")
-    if Path(out).suffix != ".pt2" and applied.engine == "compiled":    # a .pt, which a user hands to torch.load
-        raise CliError(f"{out}: the compiled engine saves the model as a torch.export graph, which torch.load cannot "
-                       f"read: name it {Path(out).with_suffix('.pt2').name} (torch.export.load reads it)")
     partial = Path(out).with_name(Path(out).name + ".partial")   # a file cut short is never left at `out`
     try:
         loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))
@@ -394,6 +390,23 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
     plan = summarize(applied.plan, held_dtype(applied.fp32))
     click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {plan} in the {applied.engine} engine{knobs}; load it "
                f"with {loads_with}")
+
+
+def saved_model_path(out: str, engine: str) -> str:
+    """`out`, given the suffix the engine saves with where it has none (`.pt2`: the compiled engine's exported
+    graph, for torch.export.load; `.pt`: the others' torch.save); a suffix the engine's loader cannot read is an
+    error, since which engine wins differs from machine to machine."""
+    if not Path(out).suffix:
+        return out + (".pt2" if engine == "compiled" else ".pt")
+    if Path(out).suffix == ".pt2" and engine != "compiled":
+        raise CliError(f"{out}: the {engine} engine saves the model with torch.save, which torch.export.load cannot "
+                       f"read: name it {Path(out).with_suffix('.pt').name}, or give no suffix and let the engine "
+                       "pick it (.pt2 is for the compiled engine's exported graph)")
+    if Path(out).suffix != ".pt2" and engine == "compiled":    # a .pt, which a user hands to torch.load
+        raise CliError(f"{out}: the compiled engine saves the model as a torch.export graph, which torch.load cannot "
+                       f"read: name it {Path(out).with_suffix('.pt2').name} (torch.export.load reads it), or give "
+                       "no suffix and let the engine pick it")
+    return out
 
 
 @dataclass(frozen=True)
