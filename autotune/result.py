@@ -63,7 +63,9 @@ class TuningResult:
 
     @property
     def speedup(self) -> float:
-        """fp32 latency / tuned latency; with several shapes, 1 / the weighted mean of their latency ratios."""
+        """fp32 latency / tuned latency, the median of per-round ratios (the two timed in turn each round: not the
+        ratio of the medians, which a busy host's swings move); with several shapes, 1 / the weighted mean of their
+        latency ratios."""
         if not self.shapes:
             return 1.0 / self.best.latency.ratio_to(self.baseline.latency)
         return sum(s.weight for s in self.shapes) / sum(s.weight / s.speedup for s in self.shapes)

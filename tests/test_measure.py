@@ -258,7 +258,7 @@ def test_the_summary_says_how_far_off_a_speedup_timed_noisily_may_be():
         fp32 = LatencyStats(10.0, 0.0, 5, (10.0,) * 5)
         best = LatencyStats(sorted(best_samples)[2], 0.0, 5, tuple(best_samples))
         return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
-                            SimpleNamespace(study_name="s"), 3, 3, 1.0)
+                            SimpleNamespace(study_name="s", user_attrs={}), 3, 3, 1.0)
     assert "speedup 2.00x   plan" in result([5.0, 5.0, 5.1, 4.9, 5.0]).summary()
     noisy = result([2.0, 8.0, 5.0, 3.0, 9.0]).summary()
     assert "speedup 2.00x (±" in noisy and " %: noisy timing)   plan" in noisy
@@ -274,7 +274,7 @@ def test_the_summary_counts_one_trial_and_one_call_in_the_singular():
     def summary(calls: int, trials: int) -> str:
         fp32, best = (LatencyStats(ms, 0.0, 5, (ms,) * 5) for ms in (10.0, 5.0))
         return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
-                            SimpleNamespace(study_name="s"), calls, trials, 1.0).summary()
+                            SimpleNamespace(study_name="s", user_attrs={}), calls, trials, 1.0).summary()
     assert "study 's': 1 evaluated trial; 1 eval_fn call this run;" in summary(1, 1)
     assert "study 's': 2 evaluated trials; 0 eval_fn calls this run;" in summary(0, 2)
 
@@ -290,7 +290,7 @@ def test_the_summary_says_why_its_medians_can_disagree_with_the_speedup():
         fp32, best = (LatencyStats(sorted(samples)[2], 0.0, 5, tuple(samples))
                       for samples in (fp32_samples, best_samples))
         return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
-                            SimpleNamespace(study_name="s"), 3, 3, 1.0)
+                            SimpleNamespace(study_name="s", user_attrs={}), 3, 3, 1.0)
     # Round by round the tuned model ran at 0.9 of fp32; the busy rounds fell on its samples more.
     busy = result([10.0, 20.0, 10.0, 30.0, 10.0], [9.0, 18.0, 27.0, 27.0, 9.0]).summary()
     assert "speedup 1.11x" in busy and "the medians above disagree with the speedup" in busy
@@ -342,7 +342,7 @@ def test_timing_beside_processes_that_keep_the_cpus_busy_is_told_and_the_summary
     def summary(busy: float) -> str:
         fp32, best = (LatencyStats(ms, 0.0, 5, (ms,) * 5, busy, cpus) for ms in (10.0, 5.0))
         return TuningResult(nn.Linear(2, 2), {"0": "int8"}, Measurement(1.0, fp32, 8), Measurement(1.0, best, 4),
-                            SimpleNamespace(study_name="s"), 3, 3, 1.0).summary()
+                            SimpleNamespace(study_name="s", user_attrs={}), 3, 3, 1.0).summary()
     assert "other processes kept the CPUs busy while it was timed: the speedup may be far off" in summary(cpus)
     assert "busy" not in summary(0.0)
 
@@ -376,8 +376,9 @@ def test_per_module_timings_taken_beside_busy_processes_are_warned_of(monkeypatc
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
     inputs = ((torch.randn(8, 64),), {})
     calibration = {"0": inputs, "2": ((torch.randn(8, 64),), {})}
+    timing = measurer.DeviceMeasurer(TuningConfig(repeats=3, warmup=1))
     with caplog.at_level(logging.WARNING, logger="autotune"):
-        measurer.DeviceMeasurer(TuningConfig(repeats=3, warmup=1)).module_latency(
-            model, {"0": ["int8", "fp32"], "2": ["int8", "fp32"]}, inputs, calibration)
+        for _ in range(2):    # each shape latency_inputs names is timed so: the warning came once a shape
+            timing.module_latency(model, {"0": ["int8", "fp32"], "2": ["int8", "fp32"]}, inputs, calibration)
     said = "other processes kept the CPUs busy (64.0 CPUs' worth) while each module was timed alone"
-    assert (said in caplog.text) is warned, caplog.text
+    assert caplog.text.count(said) == (1 if warned else 0), caplog.text

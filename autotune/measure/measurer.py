@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import optuna
@@ -52,6 +52,7 @@ class Measurer(Protocol):
 @dataclass(frozen=True)
 class DeviceMeasurer:
     config: TuningConfig
+    said: set[str] = field(default_factory=set, compare=False)   # warnings given once a run, not once a shape
 
     def sensitivity(self, fp32, candidates, inputs, calibration):
         return module_sensitivity(fp32, candidates, inputs, calibration, module_groups(candidates, self.config))
@@ -63,7 +64,9 @@ class DeviceMeasurer:
             confirmed = per_module.confirm_in_context(fp32, candidates, latency, inputs, calibration,
                                                       warmup=self.config.warmup, **timing)
         threads = self.config.num_threads or torch.get_num_threads()
-        if torch.device(self.config.device).type == "cpu" and others and contended(others[0], threads):
+        if (torch.device(self.config.device).type == "cpu" and others and contended(others[0], threads)
+                and SIGNALS_CONTENDED not in self.said):
+            self.said.add(SIGNALS_CONTENDED)
             log.warning(SIGNALS_CONTENDED, others[0])
         return confirmed
 
