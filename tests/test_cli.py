@@ -130,8 +130,27 @@ def test_a_trial_of_a_pareto_front_is_marked_by_show_and_exported_for_apply(tmp_
     exported = yaml.safe_load(out.read_text())
     assert exported["trial"] == picked.number and exported["engine"] == "eager"
     assert exported["plan"] == picked.user_attrs["plan"] and exported["speedup"] == pytest.approx(1 / picked.values[0])
+    assert "speedup_predicted" not in exported and picked.user_attrs["latency_measured"] is True
     assert_clear_error(run("export", "front", "--storage", storage, "--trial", "99"),
                        "Error: study 'front' has no trial 99 (its trials are 0 to")
+
+
+def test_a_trial_whose_speedup_was_predicted_is_exported_saying_so(tmp_path):
+    """`export --trial N` wrote the speedup `show` marks `~` (predicted from module costs, never timed) as if timed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from simulator import SimWorkload
+
+    from autotune import MixedPrecisionConfig, TuningConfig, autotune
+    sim, storage = SimWorkload(6, eval_cost_s=0), f"sqlite:///{tmp_path}/p.db"
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          max_trials=3, repeats=3, storage=storage, study_name="guess", trial_timing="predicted")
+    study = autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer()).study
+    trial = next(t for t in study.trials if t.values and not t.user_attrs.get("duplicate"))
+    out = tmp_path / "guess.yaml"
+    assert run("export", "guess", "--storage", storage, "--trial", str(trial.number), "--out", str(out)).exit_code == 0
+    exported = yaml.safe_load(out.read_text())
+    assert exported["speedup_predicted"] is True and exported["speedup"] == pytest.approx(1 / trial.values[0])
+    assert f"~{trial.values[0]:.3f}" in run("show", "guess", "--storage", storage).output
 
 
 @pytest.mark.parametrize(("engine", "knobs", "runs_as"), [("lowp", ["fold_bn"], ", lowp engine with fold_bn"),
@@ -230,7 +249,8 @@ def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closes
     # Every key export writes is read back, the noisy timing's too.
     exported = folder / "all.json"
     assert run("export", "mnist", "--storage", storage, "--out", str(exported)).exit_code == 0
-    data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False, "trial": 0}
+    data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False, "trial": 0,
+            "speedup_predicted": True}
     assert set(data) == set(PLAN_FILE_KEYS) - {"latency_inputs"}
     exported.write_text(json.dumps(data))
     result = run("apply", str(exported), "--config", str(config), "--out", str(folder / "m.pt"),

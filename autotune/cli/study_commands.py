@@ -302,9 +302,11 @@ def _trial_plan_file(study: optuna.Study, number: int, baseline: float | None) -
     if not trial.user_attrs.get("passed"):
         click.echo(f"note: trial {number}'s plan missed the tolerance (loss {trial.user_attrs.get('accuracy_loss')})",
                    err=True)
+    predicted = trial.user_attrs.get("latency_measured") is False    # as `show` marks it with ~
     return {"study": study.study_name, "trial": number, "baseline_accuracy": baseline,
-            "accuracy": trial.user_attrs.get("accuracy"), "speedup": 1 / trial.values[0], "engine": "eager",
-            "knobs": [], "plan": studies.trial_plan(trial)}
+            "accuracy": trial.user_attrs.get("accuracy"), "speedup": 1 / trial.values[0],
+            **({"speedup_predicted": True} if predicted else {}), "engine": "eager", "knobs": [],
+            "plan": studies.trial_plan(trial)}
 
 
 def _written(data: dict, fmt: str | None, out: str | None) -> None:
@@ -318,8 +320,8 @@ def _written(data: dict, fmt: str | None, out: str | None) -> None:
 
 
 # What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place and latency_inputs.
-PLAN_FILE_KEYS = ("study", "trial", "baseline_accuracy", "accuracy", "speedup", "engine", "knobs", "plan", NOISE_KEY,
-                  BUSY_KEY, "compile_in_place", "latency_inputs")
+PLAN_FILE_KEYS = ("study", "trial", "baseline_accuracy", "accuracy", "speedup", "speedup_predicted", "engine", "knobs",
+                  "plan", NOISE_KEY, BUSY_KEY, "compile_in_place", "latency_inputs")
 
 
 @dataclass(frozen=True)
