@@ -48,6 +48,7 @@ from autotune.search.scores import (
     HandedState,
     changed,
     failing_as_the_baseline,
+    rescored_on_resume,
     study_baseline,
     tensor_sums,
 )
@@ -183,8 +184,11 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         # The first worker measures the signals; the others wait for it only, then set up from what it stored.
         setup = None if _measured(study) else _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn,
                                                       candidates, config, measurer, first=True)
+        given = example_inputs is not None or run_fn is not None
+        again = None if setup else rescored_on_resume(study, fp32, eval_fn, config, captures_inputs=not given)
     measured_here = setup is not None
-    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer)
+    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer,
+                             captured=again[1] if again and not given else None)
     candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
     log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
@@ -193,7 +197,9 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         eval_fn = setup.handed_state.scoring(eval_fn)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
                          config, measurer, callbacks, setup.batches, setup.shapes)
-    runner.eval_calls, runner.handed_state = setup.eval_calls, setup.handed_state
+    runner.eval_calls, runner.handed_state = setup.eval_calls + (again is not None), setup.handed_state
+    if again:
+        runner.resumed_at(again[0])
     if measured_here:
         # Evaluated now (unless stored already), while the other workers run the first trials: they only wait
         # for it to judge them.
@@ -328,13 +334,14 @@ def _measured(study) -> bool:
 
 def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
             run_fn: Callable[[nn.Module], Any] | None, candidates: dict[str, list[str]], config: TuningConfig,
-            measurer: Measurer, first: bool = False) -> _Setup:
-    """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`)."""
-    batches, eval_calls, device = None, 0, torch.device(config.device)
+            measurer: Measurer, first: bool = False, captured: list[CallInputs] | None = None) -> _Setup:
+    """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`). `captured`:
+    the first batches an eval_fn call of this run fed the model already."""
+    batches, eval_calls, device = captured, 0, torch.device(config.device)
     given = example_inputs is not None or run_fn is not None
     if given:
         batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
-    elif first:
+    elif first and batches is None:
         # The baseline's call captures the inputs too, so it comes first here (none stored it before).
         _, batches = study_baseline(study, storage, fp32, eval_fn, config, captures_inputs=True)
         eval_calls += batches is not None

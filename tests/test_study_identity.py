@@ -14,9 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from simulator import SimWorkload  # noqa: E402
 
 
-def tune(sim, model, storage, study_name=None, tolerable_loss=0.01, eval_fn=None, dtypes=("int8", "bf16", "fp32")):
+def tune(sim, model, storage, study_name=None, tolerable_loss=0.01, eval_fn=None, dtypes=("int8", "bf16", "fp32"),
+         max_trials=4):
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=list(dtypes)),
-                          tolerable_loss=tolerable_loss, max_trials=4, repeats=3, storage=storage,
+                          tolerable_loss=tolerable_loss, max_trials=max_trials, repeats=3, storage=storage,
                           study_name=study_name)
     return autotune(model, config, eval_fn or sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
 
@@ -106,6 +107,45 @@ def test_a_tuned_study_run_again_on_data_that_scores_otherwise_is_refused_not_ha
     # What it reports is scored on the data now: the baseline and the plan both, not the study's old figures.
     assert near.baseline.accuracy == pytest.approx(sim.eval_fn(sim.model()) * 0.999)
     assert near.best.accuracy == pytest.approx(sim.eval_fn(near.model) * 0.999)
+
+
+def test_a_study_whose_search_goes_on_on_data_that_scores_otherwise_is_refused_before_any_trial(storage, caplog):
+    """Resumed with a larger max_trials on another eval set, its new plans were judged against the old baseline's
+    score: all failed, for good, and the recorded best was overwritten by fp32."""
+    from autotune.storage.study import evaluated_trials
+
+    sim = SimWorkload(6, eval_cost_s=0)
+    first = tune(sim, sim.model(), storage, max_trials=3)
+    made = len(first.study.trials)
+    with pytest.raises(StudyMismatchError, match="its data or metric changed since"):
+        tune(sim, sim.model(), storage, max_trials=6, eval_fn=lambda model: sim.eval_fn(model) * 0.9)
+    assert len(first.study.trials) == made                         # refused before any trial
+    calls = []
+    with caplog.at_level("WARNING", logger="autotune"):
+        near = tune(sim, sim.model(), storage, max_trials=6,
+                    eval_fn=lambda model: calls.append(1) or sim.eval_fn(model) * 0.999)
+    assert "within the tolerance: this run judges plans against the score now" in caplog.text
+    fp32 = sim.eval_fn(sim.model()) * 0.999
+    new = [t for t in evaluated_trials(near.study) if t.number >= made]
+    assert new and near.baseline.accuracy == pytest.approx(fp32) and near.eval_calls == len(calls)
+    assert all(TuningConfig().passes(fp32, t.user_attrs["accuracy"]) == t.user_attrs["passed"] for t in new)
+    assert any(t.user_attrs["passed"] for t in new)
+
+
+def test_the_workers_of_one_resumed_run_score_the_fp32_model_once_and_a_fresh_study_not_again(storage):
+    """Each worker starting together would otherwise spend an eval_fn call on it; the run that scored the baseline
+    itself has nothing to check."""
+    from autotune.search.scores import rescored_on_resume
+
+    sim = SimWorkload(6, eval_cost_s=0)
+    calls = []
+    study = tune(sim, sim.model(), storage, max_trials=3, eval_fn=lambda m: calls.append(1) or sim.eval_fn(m)).study
+    config = TuningConfig(max_trials=6, storage=storage)
+    score, batches = rescored_on_resume(study, sim.model(), sim.eval_fn, config, captures_inputs=True)
+    assert score == pytest.approx(sim.eval_fn(sim.model())) and batches
+    assert rescored_on_resume(study, sim.model(), sim.eval_fn, config, captures_inputs=True) is None
+    fresh = tune(sim, sim.model(), storage, study_name="fresh", max_trials=2).study
+    assert fresh.user_attrs["autotune.baseline_scored_at_trials"] is not None
 
 
 def test_a_recorded_best_that_misses_the_tolerance_on_data_scoring_otherwise_is_not_handed_back(storage, caplog):

@@ -428,9 +428,9 @@ def test_a_finished_study_run_again_returns_its_recorded_best_without_racing_or_
     measurer = RaceReadsAnew()
     with caplog.at_level(logging.INFO, logger="autotune"):
         again = tuned_eagerly(tmp_path, measurer)
-    # The calls left: eval_fn's first batch, captured for the timing (no example_inputs here), cut short; and fp32
-    # scored once, to be sure eval_fn scores as when the study was tuned (winner._scored_as_recorded).
-    assert again.plan == first.plan and again.eval_calls == 2 and measurer.races == 0
+    # The one call left: fp32 scored as the run resumes the study, to be sure eval_fn scores as when it was tuned
+    # (scores.rescored_on_resume); its first batch is what the timing runs on (no example_inputs here).
+    assert again.plan == first.plan and again.eval_calls == 1 and measurer.races == 0
     assert again.study.user_attrs["autotune.best"] == recorded and again.speedup > 3
     assert "its best plan (" in caplog.text and "was recorded after its last trial" in caplog.text
 

@@ -12,14 +12,14 @@ from torch import nn
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EngineUnavailable, get_engine
-from autotune.errors import StudyMismatchError, describe
+from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
 from autotune.search.finalist_plans import fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
-from autotune.search.scores import scored
+from autotune.search.scores import as_recorded, scored
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -187,18 +187,14 @@ def _scored_as_recorded(runner: TrialRunner) -> bool:
     Raises:
         StudyMismatchError: the fp32 model now scores more than the tolerance away from the recorded baseline.
     """
-    config, recorded = runner.config, runner.baseline
+    if runner.rescored is not None:    # scored as this run resumed the study
+        return runner.rescored
     runner.eval_calls += 1
     with as_eval_fn_calls(runner):
-        score = scored(runner.eval_fn, runner.fp32, config.trial_timeout)
-    if score == recorded:
+        score = scored(runner.eval_fn, runner.fp32, runner.config.trial_timeout)
+    if not as_recorded(runner.study.study_name, runner.baseline, score, runner.config,
+                       "its recorded best is scored again on the data now"):
         return False
-    said = (f"eval_fn scores the fp32 model {score:.6g} where study {runner.study.study_name!r} recorded "
-            f"{recorded:.6g} when it was tuned")
-    if abs(config.accuracy_loss(recorded, score)) > config.tolerable_loss:
-        raise StudyMismatchError(f"{said}: its data or metric changed since, and its plans were judged against "
-                                 "the old scores; tune it under another study_name (or `autotune delete` the study)")
-    log.warning("%s, within the tolerance: its recorded best is scored again on the data now", said)
     runner.judge_against(score)
     return True
 
