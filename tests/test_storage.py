@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy
 from conftest import refusing_connections
 
-from autotune.storage.claims import PlanClaims, lease
+from autotune.storage.claims import PlanClaims, lease, plan_claims
 from autotune.storage.rdb import lost_connection, open_storage, reachable
 
 QUEUED = 60      # trials queued for WORKERS processes to pop at once
@@ -101,6 +101,28 @@ def test_a_plan_is_claimed_by_one_trial_and_moves_only_from_the_holder_named(tmp
     assert claims.take_over("plan-a", 0, 2) and claims.holder("plan-a") == 2
     assert not claims.take_over("plan-a", 0, 1), "a plan moves once from a dead holder"
     assert PlanClaims(open_storage(url), "s").holder("plan-a") == 2     # another process reads the same
+
+
+def test_a_study_deleted_outside_autotune_and_tuned_again_under_its_name_is_not_held_up_by_its_claims(tmp_path):
+    """optuna-dashboard's or optuna.delete_study's delete leaves the claims table alone: the next tuning of that name
+    met a claim held by a trial number its new study did not have and ended on "unexpected KeyError: 'No trial
+    with trial number 1 exists'"."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from simulator import SimWorkload
+
+    from autotune import TuningConfig, autotune
+    url, sim = f"sqlite:///{tmp_path}/s.db", SimWorkload(6, eval_cost_s=0)
+    config = TuningConfig(engines=["eager"], max_trials=5, repeats=3, storage=url, study_name="again")
+    first = autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+    with sqlalchemy.create_engine(url).begin() as connection:    # as a longer study of that name would leave them
+        connection.execute(plan_claims.update().values(trial_number=plan_claims.c.trial_number + 100))
+    optuna.delete_study(study_name="again", storage=url)
+    again = autotune(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer())
+    assert again.plan == first.plan and again.trials_evaluated == first.trials_evaluated
+    assert not [t for t in again.study.trials if t.state == optuna.trial.TrialState.FAIL]
 
 
 def _claim_all(url: str, number: int) -> dict[str, int]:

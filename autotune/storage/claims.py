@@ -96,7 +96,14 @@ class PlanClaims:
             return moved.rowcount == 1
 
     def state_of(self, trial_number: int) -> TrialState:
-        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial_number)
+        """The state of the trial holding a claim; FAIL where the study has no such trial: a claim left by a study
+        of this name deleted outside autotune (optuna-dashboard, `optuna.delete_study`), since a trial exists
+        before it claims. A claim left so by a trial number the new study has reads as that trial's, which gives
+        the plan up once that trial ends without it."""
+        try:
+            trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial_number)
+        except KeyError:
+            return TrialState.FAIL
         return self.storage.get_trial(trial_id).state
 
 
