@@ -88,7 +88,8 @@ def run_settings(config: TuningConfig, device: torch.device, allocation: str) ->
             "num_threads": config.num_threads or torch.get_num_threads(), "allocation": allocation,
             "warmup": config.warmup,
             "repeats": config.repeats, "torch": torch.__version__, "tolerable_loss": config.tolerable_loss,
-            "loss_kind": config.loss_kind, "higher_is_better": config.higher_is_better, "objective": config.objective}
+            "loss_kind": config.loss_kind, "higher_is_better": config.higher_is_better, "objective": config.objective,
+            "heartbeat_interval": config.heartbeat_interval, "grace_period": config.grace_period}
 
 
 @contextmanager

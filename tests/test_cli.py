@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -612,12 +613,17 @@ def test_delete_removes_a_study_with_its_claims_and_refuses_one_with_a_trial_run
     with engine.connect() as connection:
         assert connection.exec_driver_sql(claimed).scalar() >= 1
     asked = CliRunner().invoke(main, ["delete", "old", "--storage", storage], input="n\n")   # asked; no: kept
-    assert asked.exit_code == 1 and "delete study 'old' (" in asked.output and "evaluated trial" in asked.output
+    assert asked.exit_code == 0 and "delete study 'old' (" in asked.output and "evaluated trial" in asked.output
+    assert "kept study 'old': nothing deleted" in asked.output and "Aborted" not in asked.output
     assert "old" in run("list", "--storage", storage).output
     running = optuna.load_study(study_name="old", storage=storage).ask()   # another process tuning it
     refused = run("delete", "old", "--storage", storage, "--yes")
     assert_clear_error(refused, "study 'old' has 1 trial running: stop the tuning first")
-    result.study.tell(running, state=optuna.trial.TrialState.FAIL)
+    # Its process killed: the trial stays running until a run fails it, and delete was refused for good.
+    from autotune.storage import study as studies
+    studies.set_attr(result.study, "settings", {**studies.get_attr(result.study, "settings"), "grace_period": 2})
+    time.sleep(2.5)
+    assert running.number in [t.number for t in result.study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
     deleted = run("delete", "old", "--storage", storage, "--yes")
     assert deleted.exit_code == 0 and "deleted study 'old'" in deleted.output
     assert run("list", "--storage", storage).output.strip() == f"no studies in {storage}"
