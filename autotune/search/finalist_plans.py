@@ -96,6 +96,18 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
     return kept
 
 
+def missed(runner: TrialRunner, plan: Plan) -> bool:
+    """Whether `plan`'s own trial missed the tolerance or, for a plan of one lowered dtype, a tried plan lowering
+    only modules it lowers, to that dtype (_lost_by). An engine's numerics may still pass it, so it stays a
+    finalist (short of FAR_MISS), but it is built after the others."""
+    if (outcome := runner.outcomes.get(plan_key(plan))) is not None:
+        return not outcome.passed
+    if len(lowered := set(plan.values()) - {"fp32"}) != 1:
+        return False
+    lost, _ = _lost_by(runner, plan, lowered.pop())
+    return lost is not None and lost > 1
+
+
 def _lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, str]:
     """The tolerances `plan`'s own trial lost; where it was never tried, the most a tried plan lost that lowers
     only modules `plan` lowers, all to `dtype`: lowering more of them loses as much or more, as the search assumes
