@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -181,15 +181,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 
-    with lease(storage, name, "setup", ttl_s=config.grace_period):
-        # The first worker measures the signals; the others wait for it only, then set up from what it stored.
-        setup = None if _measured(study) else _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn,
-                                                      candidates, config, measurer, first=True)
-        given = example_inputs is not None or run_fn is not None
-        again = None if setup else rescored_on_resume(study, fp32, eval_fn, config, captures_inputs=not given)
-    measured_here = setup is not None
-    setup = setup or _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer,
-                             captured=again[1] if again and not given else None)
+    setup = _set_up_in_turn(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer)
     candidates = setup.candidates
     space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
     log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
@@ -198,10 +190,10 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
         eval_fn = setup.handed_state.scoring(eval_fn)
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
                          config, measurer, callbacks, setup.batches, setup.shapes)
-    runner.eval_calls, runner.handed_state = setup.eval_calls + (again is not None), setup.handed_state
-    if again:
-        runner.resumed_at(again[0])
-    if measured_here:
+    runner.eval_calls, runner.handed_state = setup.eval_calls, setup.handed_state
+    if setup.rescored is not None:
+        runner.resumed_at(setup.rescored)
+    if setup.measured_here:
         # Evaluated now (unless stored already), while the other workers run the first trials: they only wait
         # for it to judge them.
         runner.baseline  # noqa: B018
@@ -272,6 +264,8 @@ class _Setup:
     sensitivity: dict[str, dict[str, float]]
     latency: dict[str, dict[str, float]]
     handed_state: HandedState | None    # where the forward moves its buffers
+    measured_here: bool = False         # this process measured the study's signals
+    rescored: float | None = None       # the fp32 model's score as this process resumed the study
 
 
 def usable_device(device: torch.device) -> torch.device:
@@ -331,6 +325,23 @@ def _what_training_changes(model: nn.Module) -> str:
 def _measured(study) -> bool:
     """Whether the study has its signals (a worker before this one measured them)."""
     return all(studies.get_attr(study, name) is not None for name in ("sensitivity", "module_latency_ms"))
+
+
+def _set_up_in_turn(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
+                    run_fn: Callable[[nn.Module], Any] | None, candidates: dict[str, list[str]], config: TuningConfig,
+                    measurer: Measurer) -> _Setup:
+    """_set_up, under the study's setup lease where it decides something for all its workers: the first worker
+    measures the signals, the others wait for it only and set up from what it stored; one resuming the study
+    scores the fp32 model first (scores.rescored_on_resume)."""
+    given = example_inputs is not None or run_fn is not None
+    with lease(storage, study.study_name, "setup", ttl_s=config.grace_period):
+        if not _measured(study):
+            return replace(_set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config,
+                                   measurer, first=True), measured_here=True)
+        again = rescored_on_resume(study, fp32, eval_fn, config, captures_inputs=not given)
+    setup = _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer,
+                    captured=again[1] if again and not given else None)
+    return setup if again is None else replace(setup, eval_calls=setup.eval_calls + 1, rescored=again[0])
 
 
 def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
