@@ -60,6 +60,9 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
     errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
     units = [members for members in units_of(candidates, list(groups)).values()
              if any(d != "fp32" for d in shared_dtypes(candidates, members))]
+    # One forward per unit and lowered dtype: minutes on a big model where bf16 is emulated, so it is said first
+    runs = sum(d != "fp32" for members in units for d in shared_dtypes(candidates, members))
+    log.info("output error of %d units in their lower dtypes: %d runs of the model's rest past each", len(units), runs)
     output, replay = PrefixReplay.record(work, inputs, units, lambda ref, out: output_error(_flat_output(ref), out))
     reference = _flat_output(output)
     with torch.inference_mode():
