@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,6 +37,23 @@ def interrupted_after(seconds: float, error: Callable[[], BaseException]) -> Ite
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def said_while_running(every_s: float, say: Callable[[float], None]) -> Iterator[None]:
+    """Calls `say(seconds so far)` every `every_s` while the block runs, from a daemon thread: a long step that
+    prints nothing of its own (a compile of minutes) is told from a hang."""
+    stop, started = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            say(time.monotonic() - started)
+
+    threading.Thread(target=beat, name="autotune-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 def call_with_timeout(fn: Callable[[Any], Any], arg: Any, seconds: float | None) -> Any:

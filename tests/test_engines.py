@@ -10,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -946,6 +947,26 @@ def test_finalists_whose_trials_missed_the_tolerance_are_built_after_every_engin
     missing = [missed for _, missed in built]
     assert True in missing and False in missing and missing == sorted(missing), built
     assert any(name.endswith("(compiled)") for name, _ in built)
+
+
+def test_a_compile_that_runs_long_is_said_to_be_still_running(tmp_path, monkeypatch, caplog):
+    """A 502-layer MLP's first compiled finalist compiled for 531 s between two lines of the log."""
+    from autotune.search import finalists as finals
+    built_and_called = finals._built_and_called
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return built_and_called(*args, **kwargs)
+
+    monkeypatch.setattr(finals, "_built_and_called", slow)
+    monkeypatch.setattr(finals, "STILL_COMPILING_S", 0.2)
+    model, x = mlp(), batches(1)[0][0][0]
+    with caplog.at_level("INFO", logger="autotune"):
+        autotune(model, config(tmp_path, engines=["eager", "inductor"], max_trials=2), fidelity(model), x,
+                 measurer=CompiledIsFaster())
+    assert re.search(r"finalist fp32 \(inductor\): still compiling \(0 s\)", caplog.text), caplog.text
+    done = caplog.text.index("finalist fp32 (inductor) built and compiled in")
+    assert "fp32 (inductor): still compiling" not in caplog.text[done:]      # none once it is built
 
 
 def test_with_a_timeout_the_inductor_engine_builds_plain_torch_compile_of_the_model_first(tmp_path, monkeypatch):

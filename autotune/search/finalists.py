@@ -42,13 +42,14 @@ from autotune.search.finalist_plans import (
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
-from autotune.timeout import interrupted_after
+from autotune.timeout import interrupted_after, said_while_running
 
 log = logging.getLogger("autotune")
 
 ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
 SETTLE_PASSES = 4  # passes over the compiled finalists after their first calls, until none compiles any more
 HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling engine, the finalist for its knobs
+STILL_COMPILING_S = 60.0   # a compile running this long is said to be still running, and again each as long after
 FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first says how long its take: none starts
                         # nearer the timeout (one begun 1 s before it was stopped "after 0 s", having built nothing)
 
@@ -361,7 +362,8 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
     log.info("finalist %s: building and compiling", name)
     started = time.perf_counter()
     try:
-        with compiling.bounding():
+        with compiling.bounding(), said_while_running(
+                STILL_COMPILING_S, lambda seconds: log.info("finalist %s: still compiling (%.0f s)", name, seconds)):
             finalist = _built_and_called(engine, plan, runner, calibration, cache, knobs)
     except _PastTimeout:
         raise CompileTimedOut(f"the run's timeout passed while {name} compiled (after "
