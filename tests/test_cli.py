@@ -383,6 +383,25 @@ def assert_clear_error(result, *fragments: str) -> None:
         assert fragment in result.output, result.output
 
 
+def test_a_study_deleted_while_its_tuning_runs_ends_that_run_with_one_line_saying_so(tmp_path, monkeypatch):
+    """`autotune delete` between trials (or optuna-dashboard's) left the run to end on "unexpected KeyError: 'Record
+    does not exist.'"."""
+    import optuna
+
+    from autotune import tuner
+    storage = f"sqlite:///{tmp_path}/s.db"
+    config = write_yaml(tmp_path / "c.yaml", small_mnist(storage))
+    chosen = tuner.verified_winner
+
+    def deleted_first(runner, *args, **kwargs):
+        optuna.delete_study(study_name=runner.study.study_name, storage=storage)
+        return chosen(runner, *args, **kwargs)
+
+    monkeypatch.setattr(tuner, "verified_winner", deleted_first)
+    assert_clear_error(run("tune", str(config)), "Error: the study's records are gone from its storage: it was "
+                                                 "deleted while this command ran")
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  factory: autotune.workloads.mnist:model\ntuning: {max_trials: 3\n")

@@ -107,6 +107,9 @@ def _interrupted(ctx: click.Context) -> None:
     ctx.exit(interrupts.exit_code)
 
 
+RECORD_GONE = "Record does not exist."   # what Optuna's RDBStorage raises (KeyError) of a study or trial deleted
+
+
 def _as_cli_error(exc: Exception) -> click.ClickException:
     if isinstance(exc, AutotuneError):
         return CliError(str(exc))
@@ -120,6 +123,9 @@ def _as_cli_error(exc: Exception) -> click.ClickException:
                         "again (a tuning run resumes from its finished trials)")
     if isinstance(exc, OSError) and exc.filename:
         return CliError(f"cannot write or read {exc.filename}: {exc.strerror}")
+    if isinstance(exc, KeyError) and exc.args == (RECORD_GONE,):
+        return CliError("the study's records are gone from its storage: it was deleted while this command ran "
+                        "(`autotune delete`, optuna-dashboard); run the command again to start it afresh")
     error = click.ClickException(f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)")
     error.exit_code = UNEXPECTED
     return error
