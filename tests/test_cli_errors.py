@@ -172,6 +172,26 @@ def test_a_corrupt_study_database_is_named_and_left_as_it_is(tmp_path, damage):
     assert db.read_bytes() == damage
 
 
+def test_another_applications_sqlite_database_is_refused_by_reading_commands_and_left_as_it_is(tmp_path):
+    """`autotune list --storage sqlite:///app.db` said "no studies", added Optuna's 13 tables and switched the file
+    to WAL for good."""
+    import hashlib
+    import sqlite3
+
+    db = tmp_path / "app.db"
+    with sqlite3.connect(db) as connection:
+        connection.execute("CREATE TABLE users (name TEXT)")
+        connection.execute("INSERT INTO users VALUES ('ada')")
+    connection.close()
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    storage = f"sqlite:///{db}"
+    for args in (["list"], ["show", "mnist"], ["jobs"], ["delete", "mnist", "--yes"]):
+        assert_one_error_line(run(*args, "--storage", storage), 2, "is an SQLite database that holds no study "
+                              "storage (no Optuna tables): it was left as it is")
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "app.db"]
+
+
 @pytest.mark.parametrize("command", ["export", "report", "apply"])
 def test_an_output_into_a_missing_folder_fails_before_any_work(tmp_path, command, monkeypatch):
     monkeypatch.chdir(tmp_path)

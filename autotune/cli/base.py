@@ -4,8 +4,10 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sqlite3
 import sys
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +173,23 @@ def open_existing_storage(url: str):
     if missing_sqlite(url):
         raise CliError(f"no study storage at {shown(url)}: nothing was tuned or submitted there yet (`autotune tune "
                        "CONFIG` or `autotune submit CONFIG` makes it); --storage, or AUTOTUNE_STORAGE, names another")
+    if _foreign_sqlite(url):   # opening it would add Optuna's tables and switch it to WAL for good
+        raise CliError(f"{shown(url)} is an SQLite database that holds no study storage (no Optuna tables): it was "
+                       "left as it is; --storage, or AUTOTUNE_STORAGE, names another")
     return open_storage(url)
+
+
+def _foreign_sqlite(url: str) -> bool:
+    """Whether `url` names an SQLite database file without Optuna's tables (another application's), read only. A
+    file that is no database is not: open_storage says so, as it does of any."""
+    path = sqlite_path(url)
+    if path is None or not path.is_file():
+        return False
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError:
+        return False
+    return "studies" not in tables
 
 
