@@ -1929,3 +1929,11 @@ def test_inductors_freezing_stays_on_while_any_thread_calls_a_frozen_model():
     first_out.set()
     two.join(10)
     assert seen == [True] and inductor_config.freezing == prior
+
+
+@pytest.mark.parametrize("study_name", ["..", ".", "a/../..", "my study"])
+def test_a_study_names_compile_cache_folder_lies_under_the_cache_root_whatever_the_name(tmp_path, study_name):
+    """A study named ".." kept its compiled finalists beside the cache root, not under it."""
+    from autotune.engines import CompileCache
+    folder = CompileCache.for_study(str(tmp_path / "root"), study_name, "built").folder
+    assert folder.resolve().parent.parent == (tmp_path / "root").resolve(), folder

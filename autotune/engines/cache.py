@@ -44,7 +44,10 @@ class CompileCache:
         """The folder of one study's finalists built from one model and its calibration batches (`built_from`,
         storage.study.built_from) by this code (`code_version`)."""
         folder = f"{built_from}-{code_version()}"
-        return cls(Path(root) / re.sub(r"[^\w.-]", "_", study_name) / folder if root else None)
+        safe = re.sub(r"[^\w.-]", "_", study_name)
+        if set(safe) <= {"."}:    # "." or "..": the root itself, or out of it
+            safe = "_" * len(safe)
+        return cls(Path(root) / safe / folder if root else None)
 
     def build(self, engine: Engine, fp32: nn.Module, plan: Plan, calibration: Calibration,
               inputs: CallInputs, knobs: tuple[str, ...] = ()) -> nn.Module:
