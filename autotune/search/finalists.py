@@ -129,8 +129,12 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
                if engine.lowers_unplanned and (reason := kept_from_tuning(runner.config))}
     for name, reason in dropped.items():
         log.warning("%s engine is not tried: %s", name, reason)
+    # The inductor engine's turn comes first: its first finalist is plain torch.compile of the model, the peer a user
+    # would pick, and the quickest compile. Under a 600 s timeout a 502-layer MLP's first pt2e finalist compiled
+    # for 531 s, and the run returned fp32 where torch.compile ran 1.14x faster.
     builds = [_EngineBuilds(engine, engine_plans(runner, engine, uniform, every), dropped)
-              for engine in engines if engine.name not in dropped]
+              for engine in sorted(engines, key=lambda engine: engine.name != "inductor")
+              if engine.name not in dropped]
     _build_in_turns(builds, runner, calibration, cache, timeout)
     found: dict[str, Finalist] = {}
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
