@@ -48,7 +48,7 @@ from autotune.search.scores import (
     HandedState,
     changed,
     failing_as_the_baseline,
-    rescored_on_resume,
+    rescored,
     study_baseline,
     tensor_sums,
 )
@@ -330,33 +330,33 @@ def _measured(study) -> bool:
 def _set_up_in_turn(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
                     run_fn: Callable[[nn.Module], Any] | None, candidates: dict[str, list[str]], config: TuningConfig,
                     measurer: Measurer) -> _Setup:
-    """_set_up, under the study's setup lease where it decides something for all its workers: the first worker
-    measures the signals, the others wait for it only and set up from what it stored; one resuming the study
-    scores the fp32 model first (scores.rescored_on_resume)."""
-    given = example_inputs is not None or run_fn is not None
+    """_set_up: the first worker measures the signals under the study's setup lease; the others wait for it only,
+    then set up from what it stored."""
     with lease(storage, study.study_name, "setup", ttl_s=config.grace_period):
         if not _measured(study):
             return replace(_set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config,
                                    measurer, first=True), measured_here=True)
-        again = rescored_on_resume(study, fp32, eval_fn, config, captures_inputs=not given)
-    setup = _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer,
-                    captured=again[1] if again and not given else None)
-    return setup if again is None else replace(setup, eval_calls=setup.eval_calls + 1, rescored=again[0])
+    return _set_up(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer)
 
 
 def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, example_inputs: Any,
             run_fn: Callable[[nn.Module], Any] | None, candidates: dict[str, list[str]], config: TuningConfig,
-            measurer: Measurer, first: bool = False, captured: list[CallInputs] | None = None) -> _Setup:
-    """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`). `captured`:
-    the first batches an eval_fn call of this run fed the model already."""
-    batches, eval_calls, device = captured, 0, torch.device(config.device)
-    given = example_inputs is not None or run_fn is not None
+            measurer: Measurer, first: bool = False) -> _Setup:
+    """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`). Where the
+    study's baseline was scored before, by another process, the fp32 model is scored again (scores.rescored)."""
+    batches, eval_calls, device, score = None, 0, torch.device(config.device), None
+    given, evaluated_here = example_inputs is not None or run_fn is not None, False
     if given:
         batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
-    elif first and batches is None:
+    elif first:
         # The baseline's call captures the inputs too, so it comes first here (none stored it before).
         _, batches = study_baseline(study, storage, fp32, eval_fn, config, captures_inputs=True)
-        eval_calls += batches is not None
+        evaluated_here = batches is not None
+        eval_calls += evaluated_here
+    if not evaluated_here and studies.get_attr(study, studies.BASELINE_ATTR) is not None:
+        eval_calls += 1    # scored by another process, or an earlier run: its data may differ from eval_fn's now
+        score, captured = rescored(study, fp32, eval_fn, config, captures_inputs=not given)
+        batches = batches or captured
     if batches is None:
         # eval_fn is started for its first batches and abandoned: one call, cut short.
         eval_calls += 1
@@ -386,7 +386,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
                   if name in latency}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency,
-                  handed if moved else None)
+                  handed if moved else None, rescored=score)
 
 
 # A forward updating buffers in eval mode (an EMA of its inputs, a call counter): the tuner's own calls move them.

@@ -103,7 +103,8 @@ def test_a_tuned_study_run_again_on_data_that_scores_otherwise_is_refused_not_ha
         tune(sim, sim.model(), storage, eval_fn=lambda model: sim.eval_fn(model) * 0.9)
     with caplog.at_level("WARNING", logger="autotune"):
         near = tune(sim, sim.model(), storage, eval_fn=lambda model: sim.eval_fn(model) * 0.999)
-    assert near.plan == first.plan and "within the tolerance: its recorded best is scored again" in caplog.text
+    assert near.plan == first.plan and ("within the tolerance: this process judges plans against the score now (and "
+                                        "scores a recorded best again)") in caplog.text
     # What it reports is scored on the data now: the baseline and the plan both, not the study's old figures.
     assert near.baseline.accuracy == pytest.approx(sim.eval_fn(sim.model()) * 0.999)
     assert near.best.accuracy == pytest.approx(sim.eval_fn(near.model) * 0.999)
@@ -124,7 +125,7 @@ def test_a_study_whose_search_goes_on_on_data_that_scores_otherwise_is_refused_b
     with caplog.at_level("WARNING", logger="autotune"):
         near = tune(sim, sim.model(), storage, max_trials=6,
                     eval_fn=lambda model: calls.append(1) or sim.eval_fn(model) * 0.999)
-    assert "within the tolerance: this run judges plans against the score now" in caplog.text
+    assert "within the tolerance: this process judges plans against the score now" in caplog.text
     fp32 = sim.eval_fn(sim.model()) * 0.999
     new = [t for t in evaluated_trials(near.study) if t.number >= made]
     assert new and near.baseline.accuracy == pytest.approx(fp32) and near.eval_calls == len(calls)
@@ -132,20 +133,29 @@ def test_a_study_whose_search_goes_on_on_data_that_scores_otherwise_is_refused_b
     assert any(t.user_attrs["passed"] for t in new)
 
 
-def test_the_workers_of_one_resumed_run_score_the_fp32_model_once_and_a_fresh_study_not_again(storage):
-    """Each worker starting together would otherwise spend an eval_fn call on it; the run that scored the baseline
-    itself has nothing to check."""
-    from autotune.search.scores import rescored_on_resume
+@pytest.mark.parametrize("stopped", ["after its baseline", "during its signals", "run again when done"])
+def test_a_study_resumed_at_any_point_on_data_that_scores_otherwise_is_refused(storage, stopped):
+    """A count of trials told one run from the next: a study stopped before its first trial, or run again once done
+    (no trial added) and then resumed with a larger max_trials, was not checked, and its new plans failed against
+    the old score. Where its signals were still to be measured, the baseline was read back unchecked."""
+    from autotune.storage import study as studies
+    from autotune.tuner import start_runner
 
     sim = SimWorkload(6, eval_cost_s=0)
-    calls = []
-    study = tune(sim, sim.model(), storage, max_trials=3, eval_fn=lambda m: calls.append(1) or sim.eval_fn(m)).study
-    config = TuningConfig(max_trials=6, storage=storage)
-    score, batches = rescored_on_resume(study, sim.model(), sim.eval_fn, config, captures_inputs=True)
-    assert score == pytest.approx(sim.eval_fn(sim.model())) and batches
-    assert rescored_on_resume(study, sim.model(), sim.eval_fn, config, captures_inputs=True) is None
-    fresh = tune(sim, sim.model(), storage, study_name="fresh", max_trials=2).study
-    assert fresh.user_attrs["autotune.baseline_scored_at_trials"] is not None
+    if stopped == "run again when done":
+        tune(sim, sim.model(), storage, max_trials=3)
+        study = tune(sim, sim.model(), storage, max_trials=3).study
+    else:
+        config = TuningConfig(engines=["eager"], max_trials=3, repeats=3, storage=storage)
+        study = start_runner(sim.model(), config, sim.eval_fn, sim.example_inputs(), measurer=sim.measurer()).study
+        if stopped == "during its signals":
+            for signal in ("sensitivity", "module_latency_ms"):
+                studies.set_attr(study, signal, None)
+    made = len(study.trials)
+    assert studies.get_attr(study, studies.BASELINE_ATTR) is not None
+    with pytest.raises(StudyMismatchError, match="its data or metric changed since"):
+        tune(sim, sim.model(), storage, max_trials=6, eval_fn=lambda model: sim.eval_fn(model) * 0.9)
+    assert len(study.trials) == made
 
 
 def test_a_recorded_best_that_misses_the_tolerance_on_data_scoring_otherwise_is_not_handed_back(storage, caplog):

@@ -194,33 +194,22 @@ def compiled_in_place(study: optuna.Study) -> bool:
     return bool(studies.get_attr(study, OWN_CALLERS_ATTR) or studies.get_attr(study, ENTRY_CALLS_ATTR))
 
 
-# The study's trial count when the fp32 model was last scored for it (its baseline, or a resumed run's check):
-# the workers of one run that start together score it once.
-RESCORED_AT_ATTR = "baseline_scored_at_trials"
-
-
-def rescored_on_resume(study: optuna.Study, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
-                       config: TuningConfig, captures_inputs: bool) -> tuple[float, list[CallInputs]] | None:
-    """Where this process resumes a study an earlier run scored the baseline of (no trial of it running, and
-    trials made since it was last scored), the fp32 model's score on eval_fn's data now, one eval_fn call, and the
-    first batches it fed the model; None where this is no resume. The study is named after the model and config,
-    not the data eval_fn scores on: resumed on other data, its new plans were judged against the old score, failed
-    for good, and the recorded best was overwritten by fp32. Call it under the study's setup lease.
+def rescored(study: optuna.Study, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any], config: TuningConfig,
+             captures_inputs: bool) -> tuple[float, list[CallInputs]]:
+    """The fp32 model's score on eval_fn's data now (the recorded one where they agree), one eval_fn call, and
+    the first batches it fed the model: what a process joining a study whose baseline another scored judges
+    against. The study is named after the model
+    and config, not the data eval_fn scores on: resumed on other data, its new plans were judged against the old
+    score, failed for good, and the recorded best was overwritten by fp32.
 
     Raises:
         StudyMismatchError: the score is more than the tolerance away from the recorded one (as_recorded).
     """
-    recorded = studies.get_attr(study, studies.BASELINE_ATTR)
-    if recorded is None or study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        return None
-    made = len(study.get_trials(deepcopy=False))
-    if studies.get_attr(study, RESCORED_AT_ATTR) == made:
-        return None
     score, batches = evaluate_baseline(fp32, eval_fn, config, captures_inputs=captures_inputs)
-    as_recorded(study.study_name, recorded, score, config,
-                "this run judges plans against the score now (and scores a recorded best again)")
-    studies.set_attr(study, RESCORED_AT_ATTR, made)
-    return score, batches
+    recorded = studies.get_attr(study, studies.BASELINE_ATTR)
+    differs = as_recorded(study.study_name, recorded, score, config,
+                          "this process judges plans against the score now (and scores a recorded best again)")
+    return score if differs else recorded, batches
 
 
 def as_recorded(study_name: str, recorded: float, score: float, config: TuningConfig, then: str) -> bool:
@@ -230,7 +219,7 @@ def as_recorded(study_name: str, recorded: float, score: float, config: TuningCo
     Raises:
         StudyMismatchError: it is more than the tolerance away.
     """
-    if score == recorded:
+    if math.isclose(score, recorded, rel_tol=1e-6, abs_tol=1e-12):   # a sum's last digits, summed otherwise
         return False
     said = (f"eval_fn scores the fp32 model {score:.6g} where study {study_name!r} recorded {recorded:.6g} when it "
             "was tuned")
@@ -261,7 +250,6 @@ def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, ev
         if not config.latency_inputs:
             _choose_timed_calls(study, config, how, fp32, batches if captures_inputs else None)
         studies.set_attr(study, GRAD_MODE_ATTR, how.grad_modes.pop() if len(how.grad_modes) == 1 else "mixed")
-        studies.set_attr(study, RESCORED_AT_ATTR, len(study.get_trials(deepcopy=False)))
         studies.set_attr(study, studies.BASELINE_ATTR, baseline)
     log.info("baseline score %.6g", baseline)
     return baseline, batches

@@ -109,7 +109,7 @@ class TrialRunner:
         self.inputs, self.calibration, self.config = inputs, calibration, config
         self.kept = held_dtype(fp32)    # what a plan's "fp32" computes in: the dtype the model was handed over in
         self._baseline: float | None = None    # the study's, read (or evaluated) when first needed
-        self.rescored: bool | None = None      # whether the fp32 model scored otherwise as this run resumed the study
+        self.rescored: bool | None = None      # whether the fp32 model scored otherwise as this process joined
         self.measurer = measurer
         self.shapes = shapes or [Shape("example", inputs, 1.0)]   # where latency is measured, weighted
         self.batches = batches or [inputs]     # whole-model batches for static ranges (the compiled engine)
@@ -142,7 +142,7 @@ class TrialRunner:
         return self._baseline
 
     def resumed_at(self, score: float) -> None:
-        """The fp32 model's score as this run resumed the study (scores.rescored_on_resume): what it judges against."""
+        """The fp32 model's score as this process joined the study (scores.rescored): what it judges against."""
         self.rescored = score != self.baseline
         self.judge_against(score)
 
