@@ -637,11 +637,15 @@ def test_delete_removes_a_study_with_its_claims_and_refuses_one_with_a_trial_run
     assert "old" in run("list", "--storage", storage).output
     running = optuna.load_study(study_name="old", storage=storage).ask()   # another process tuning it
     refused = run("delete", "old", "--storage", storage, "--yes")
-    assert_clear_error(refused, "study 'old' has 1 trial running: stop the tuning first")
+    assert_clear_error(refused, "study 'old' has 1 trial running: stop the tuning first",
+                       "counts as running until it has been silent for 30 s (grace_period)")
     # Its process killed: the trial stays running until a run fails it, and delete was refused for good.
     from autotune.storage import study as studies
     studies.set_attr(result.study, "settings", {**studies.get_attr(result.study, "settings"), "grace_period": 2})
     time.sleep(2.5)
+    trials = len(result.study.trials)
+    declined = CliRunner().invoke(main, ["delete", "old", "--storage", storage], input="n\n")
+    assert declined.exit_code == 0 and len(result.study.trials) == trials     # declined: nothing failed or queued
     assert running.number in [t.number for t in result.study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
     deleted = run("delete", "old", "--storage", storage, "--yes")
     assert deleted.exit_code == 0 and "deleted study 'old'" in deleted.output

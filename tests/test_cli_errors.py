@@ -190,6 +190,9 @@ def test_another_applications_sqlite_database_is_refused_by_reading_commands_and
                               "storage (no Optuna tables): it was left as it is")
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before and sorted(p.name for p in tmp_path.iterdir()) == [
         "app.db"]
+    (tmp_path / "empty.db").touch()    # left by a run that died before writing its tables: not another's
+    listed = run("list", "--storage", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert listed.exit_code == 0 and "no studies in" in listed.output, listed.output
 
 
 @pytest.mark.parametrize("command", ["export", "report", "apply"])

@@ -190,6 +190,6 @@ def _foreign_sqlite(url: str) -> bool:
             tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError:
         return False
-    return "studies" not in tables
+    return bool(tables) and "studies" not in tables    # an empty one: a run that died before writing its tables
 
 
