@@ -93,7 +93,8 @@ def test_each_backend_leaves_the_module_it_lowers_as_it_was(dtype):
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, before[name]), name
     ours = {t.data_ptr() for t in model.state_dict().values()}
-    assert not ours & {t.data_ptr() for module in lowered for t in module.state_dict().values()}
+    assert not ours & {t.data_ptr() for module in lowered for t in module.state_dict().values()
+                       if isinstance(t, torch.Tensor)}      # int8 modules' extra state is a dict
 
 
 def test_copies_of_an_int8_module_share_packed_weights_but_not_hooks():
@@ -412,3 +413,39 @@ def test_the_weights_of_a_module_the_user_quantised_with_torch_ao_are_counted():
         warnings.simplefilter("ignore")     # torch.ao's notice that eager quantisation moved to torchao
         model[1] = torch.ao.quantization.quantize_dynamic(nn.Sequential(model[1]), {nn.Linear})[0]
     assert weight_bytes(model) == (256 * 256 + 256) * 4 + 256 * 128 + 128 * 4    # int8 weight, fp32 bias
+
+
+class ConvLinearLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.lstm, self.fc = nn.Conv2d(3, 8, 3), nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x):
+        features = self.conv(x).mean(dim=(2, 3)).unsqueeze(1).repeat(1, 5, 1)
+        return self.fc(self.lstm(features)[0][:, -1])
+
+
+def test_a_tuned_models_state_dict_holds_its_int8_weights_and_ranges_for_a_model_rebuilt_with_the_plan(tmp_path):
+    """The int8 weights are no parameters: a model rebuilt with the plan took a tuned one's state_dict in a strict
+    load, every key matched, and its int8 modules kept the weights and ranges they were built from."""
+    from autotune.capture import record_module_inputs
+    from autotune.plan import apply_plan
+
+    plan = {"conv": "int8", "lstm": "int8", "fc": "int8"}
+    x = torch.randn(4, 3, 10, 10)
+
+    def tuned(seed: int, inputs: torch.Tensor) -> nn.Module:
+        torch.manual_seed(seed)
+        model = ConvLinearLSTM().eval()
+        return apply_plan(model, plan, record_module_inputs(model, list(plan), ((inputs,), {})))
+
+    first, rebuilt = tuned(0, x), tuned(1, 3 * torch.randn(4, 3, 10, 10))
+    torch.save(first.state_dict(), tmp_path / "tuned.pt")
+    with torch.inference_mode():
+        expected, before = first(x), rebuilt(x)
+        assert not torch.allclose(expected, before) and not torch.equal(rebuilt.fc.weight, first.fc.weight)
+        rebuilt.load_state_dict(torch.load(tmp_path / "tuned.pt", weights_only=True), strict=True)
+        assert torch.equal(rebuilt(x), expected)
+    assert torch.equal(rebuilt.fc.weight, first.fc.weight)       # the dequantised weight read anew
+    with pytest.raises(RuntimeError, match="Unexpected key"):    # into the fp32 model: said, not dropped
+        ConvLinearLSTM().load_state_dict(first.state_dict())

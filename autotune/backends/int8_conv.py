@@ -25,6 +25,8 @@ from autotune.backends.quantized import (
 class StaticInt8Conv2d(PackedInt8):
     """Conv2d with int8 weights and int8 activations whose ranges were calibrated on real inputs."""
 
+    computed_with = ("in_scale", "in_zero_point", "out_scale", "out_zero_point")
+
     def __init__(self, conv: nn.Conv2d, calibration: CallInputs, reduce_range: bool, engine: str):
         super().__init__()
         x = calibration[0][0].detach().float()

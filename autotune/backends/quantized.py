@@ -113,6 +113,7 @@ class Int8Kernels(nn.Module):
     _nbytes: int
     reduce_range: bool
     engine: str
+    computed_with: tuple[str, ...] = ()   # plain attributes the kernels compute with (static activation ranges)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -127,20 +128,11 @@ class Int8Kernels(nn.Module):
         # The packed weights are pickled as the bytes torch.save makes of them: unpickled directly (torch.load of a
         # model holding this module), torch rebuilt their int8 tensors through APIs it warns are deprecated
         # (TypedStorage, quantized tensor creation), two warnings on every load that ask nothing of the user.
-        state = dict(super().__getstate__())
-        saved = io.BytesIO()
-        torch.save(self._packed, saved)
-        state["_packed"] = saved.getvalue()
-        return state
+        return {**super().__getstate__(), "_packed": self._packed_bytes()}
 
     def __setstate__(self, state: dict) -> None:
         if isinstance(state.get("_packed"), bytes):
-            engine = state.get("engine")
-            if engine not in torch.backends.quantized.supported_engines:   # saved before engines were kept
-                engine = torch.backends.quantized.engine
-            with warnings.catch_warnings(), quantized_engine(engine):
-                warnings.simplefilter("ignore", UserWarning)
-                state = {**state, "_packed": torch.load(io.BytesIO(state["_packed"]), weights_only=False)}
+            state = {**state, "_packed": _unpacked(state["_packed"], state.get("engine"))}
         super().__setstate__(state)
         if self.reduce_range is False and not has_avx512_vnni():
             warnings.warn(f"{type(self).__name__}: this int8 model was built with 8-bit activations on a CPU with "
@@ -148,8 +140,35 @@ class Int8Kernels(nn.Module):
                           "accuracy here may differ from what was measured. Apply the plan on this machine "
                           "(`autotune apply`) for 7-bit activations.", RuntimeWarning, stacklevel=2)
 
+    def _packed_bytes(self) -> bytes:
+        saved = io.BytesIO()
+        torch.save(self._packed, saved)
+        return saved.getvalue()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """What state_dict() holds beside the float bias: the packed int8 weights (torch.save's bytes, as a uint8
+        tensor) and `computed_with`. Without them a model rebuilt with the plan took a tuned one's state_dict in a
+        strict load_state_dict, every key matched, and its int8 modules kept the weights they were built from."""
+        packed = torch.frombuffer(bytearray(self._packed_bytes()), dtype=torch.uint8)
+        return {"packed": packed, **{name: getattr(self, name) for name in self.computed_with}}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self._packed = _unpacked(state["packed"].numpy().tobytes(), self.engine)
+        for name in self.computed_with:
+            setattr(self, name, state[name])
+        self.__dict__.pop("_float_weight", None)    # PackedInt8.weight's, read from the packed weights replaced
+
     def weight_nbytes(self) -> int:
         return self._nbytes
+
+
+def _unpacked(saved: bytes, engine: str | None) -> torch.ScriptObject | list[torch.ScriptObject]:
+    """Packed weights from torch.save's bytes, packed again by `engine` (this machine's, where it lacks that one)."""
+    if engine not in torch.backends.quantized.supported_engines:   # saved before engines were kept
+        engine = torch.backends.quantized.engine
+    with warnings.catch_warnings(), quantized_engine(engine):
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.load(io.BytesIO(saved), weights_only=False)
 
 
 class PackedInt8(Int8Kernels):
