@@ -1760,7 +1760,7 @@ def test_a_finished_study_run_again_builds_only_its_recorded_compiled_winner(tmp
 
     monkeypatch.setattr(finals, "_ready", counted)
     again = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
-    # One eval_fn call: fp32 scored against the recorded baseline (winner._scored_as_recorded).
+    # One eval_fn call: fp32 scored against the recorded baseline as the run joins the study (scores.rescored).
     assert (again.engine, again.plan, again.eval_calls) == ("compiled", first.plan, 1)
     assert built == [first.study.user_attrs["autotune.best"]["finalist"]] and is_compiled(again.model)
     assert again.speedup == pytest.approx(2.5)

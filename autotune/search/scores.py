@@ -198,9 +198,8 @@ def rescored(study: optuna.Study, fp32: nn.Module, eval_fn: Callable[[nn.Module]
              captures_inputs: bool) -> tuple[float, list[CallInputs]]:
     """The fp32 model's score on eval_fn's data now (the recorded one where they agree), one eval_fn call, and
     the first batches it fed the model: what a process joining a study whose baseline another scored judges
-    against. The study is named after the model
-    and config, not the data eval_fn scores on: resumed on other data, its new plans were judged against the old
-    score, failed for good, and the recorded best was overwritten by fp32.
+    against. The study is named after the model and config, not the data eval_fn scores on: resumed on other data,
+    its new plans were judged against the old score, failed for good, and the recorded best was overwritten by fp32.
 
     Raises:
         StudyMismatchError: the score is more than the tolerance away from the recorded one (as_recorded).

@@ -142,13 +142,9 @@ class TrialRunner:
         return self._baseline
 
     def resumed_at(self, score: float) -> None:
-        """The fp32 model's score as this process joined the study (scores.rescored): what it judges against."""
+        """Judges what this process evaluates against `score`: the fp32 model's as it joined the study, on eval_fn's
+        data now (scores.rescored), where it may differ from the study's recorded one within the tolerance."""
         self.rescored = score != self.baseline
-        self.judge_against(score)
-
-    def judge_against(self, score: float) -> None:
-        """Judges what this run evaluates from now on against `score`: the fp32 model's on eval_fn's data now, where
-        it differs from the study's recorded one (search.winner._scored_as_recorded)."""
         self._baseline = score
 
     def _keep_last(self, study: optuna.Study, trial: FrozenTrial) -> None:

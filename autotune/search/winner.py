@@ -19,7 +19,7 @@ from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
 from autotune.search.finalist_plans import fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
-from autotune.search.scores import as_recorded, scored
+from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -141,7 +141,9 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
     re-evaluating it. None where there is none to reuse, or it no longer builds (logged)."""
     if (best := studies.standing_best(runner.study, runner.config)) is None:
         return None
-    rescored = _scored_as_recorded(runner)
+    # Scored again as this process joined the study (scores.rescored): a score that moved within the tolerance
+    # means eval_fn's data changed, and the best is scored again on it.
+    rescored = bool(runner.rescored)
     name, knobs = best.get("finalist", "fp32"), tuple(best.get("knobs", ()))
     log.info("the study's search is done and its best plan (%s) was recorded after its last trial: it is built and "
              "timed again, not chosen again (`autotune bench` times it; %s)", name, studies.SEARCHES_ON)
@@ -176,27 +178,6 @@ def _scored_again(runner: TrialRunner, finalist: Finalist, name: str) -> float |
     log.warning("the study's best plan (%s) scores %.6g on eval_fn's data now, a loss of %.4g where %.4g is "
                 "tolerable: its finalists are chosen again", name, accuracy, loss, runner.config.tolerable_loss)
     return None
-
-
-def _scored_as_recorded(runner: TrialRunner) -> bool:
-    """Evaluates the fp32 model once (one eval_fn call) before a recorded best is handed back: the study is named
-    after the model and config, not the data eval_fn scores on, and run again on other data it handed back the plan
-    judged against the old baseline's score, with that score as the baseline's. Whether the score differs (within
-    the tolerance): the run then judges against the new one (TrialRunner.judge_against).
-
-    Raises:
-        StudyMismatchError: the fp32 model now scores more than the tolerance away from the recorded baseline.
-    """
-    if runner.rescored is not None:    # scored as this run resumed the study
-        return runner.rescored
-    runner.eval_calls += 1
-    with as_eval_fn_calls(runner):
-        score = scored(runner.eval_fn, runner.fp32, runner.config.trial_timeout)
-    if not as_recorded(runner.study.study_name, runner.baseline, score, runner.config,
-                       "its recorded best is scored again on the data now"):
-        return False
-    runner.judge_against(score)
-    return True
 
 
 class _Verdicts:
