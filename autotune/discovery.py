@@ -129,6 +129,23 @@ def qkv_groups(candidates: dict[str, list[str]]) -> list[list[str]]:
     return groups
 
 
+def tied_groups(model: nn.Module, candidates: dict[str, list[str]]) -> list[list[str]]:
+    """The candidates holding one Parameter between them (cells tied to one weight), each set of two or more in
+    model order: one dtype for all, so that apply_plan lowers them once and the tuned model keeps them tied (each
+    int8 cell of six held its own copy, and the model grew past fp32's size)."""
+    owner: dict[int, int] = {}    # id of a parameter -> the index of its group
+    groups: list[list[str]] = []
+    for name in candidates:
+        ids = [id(p) for p in model.get_submodule(name).parameters(recurse=False)]
+        index = next((owner[i] for i in ids if i in owner), None)
+        if index is None:
+            index = len(groups)
+            groups.append([])
+        groups[index].append(name)
+        owner.update(dict.fromkeys(ids, index))
+    return [group for group in groups if len(group) > 1]
+
+
 def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[str]]:
     """Tunable modules and the dtypes the configured device supports for each (speed is measured later).
 
@@ -242,12 +259,15 @@ def runnable_alone(model: nn.Module, candidates: dict[str, list[str]],
     return kept
 
 
-def module_groups(candidates: dict[str, list[str]], config: TuningConfig) -> list[list[str]]:
-    """The user's groups, plus q/k/v groups (if enabled) of modules no user group holds."""
+def module_groups(candidates: dict[str, list[str]], config: TuningConfig,
+                  model: nn.Module | None = None) -> list[list[str]]:
+    """The user's groups, plus q/k/v groups (if enabled) and, given the model, tied groups (tied_groups) of
+    modules no group before holds."""
     groups = [list(group) for group in config.groups]
-    if config.group_qkv:
-        taken = {name for group in groups for name in group}
-        groups += [group for group in qkv_groups(candidates) if not taken.intersection(group)]
+    more = (qkv_groups(candidates) if config.group_qkv else []) + (tied_groups(model, candidates) if model else [])
+    for group in more:
+        if not {name for taken in groups for name in taken}.intersection(group):
+            groups.append(group)
     return groups
 
 

@@ -118,16 +118,22 @@ def apply_plan(model: nn.Module, plan: Plan, calibration: dict[str, CallInputs] 
         calibration = {**record_module_inputs(model, uncalibrated, as_call_inputs(example_inputs)),
                        **(calibration or {})}
     lowered: dict[int, nn.Module] = {}
+    tied: dict[tuple, nn.Module] = {}   # modules holding the same parameters (discovery.tied_groups): lowered once
     for name, dtype in plan.items():
         if dtype == "fp32":
             continue
         original = modules[name]
+        holds = (type(original), dtype, tuple(id(p) for p in original.parameters()))
+        if holds[2] and holds in tied:
+            lowered[id(original)] = tied[holds]
+            continue
         if variants is None:
             lowered[id(original)] = lower_module(original, dtype, (calibration or {}).get(name))
-            continue
-        if (name, dtype) not in variants:
-            variants[name, dtype] = lower_module(original, dtype, (calibration or {}).get(name))
-        lowered[id(original)] = clone(variants[name, dtype])
+        else:
+            if (name, dtype) not in variants:
+                variants[name, dtype] = lower_module(original, dtype, (calibration or {}).get(name))
+            lowered[id(original)] = clone(variants[name, dtype])
+        tied[holds] = lowered[id(original)]
     tuned = clone(model, memo=lowered).eval()
     calls_children_as_modules(tuned, [name for name, dtype in plan.items() if dtype != "fp32"])
     return tuned

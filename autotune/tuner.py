@@ -183,7 +183,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
 
     setup = _set_up_in_turn(study, storage, fp32, eval_fn, example_inputs, run_fn, candidates, config, measurer)
     candidates = setup.candidates
-    space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config))
+    space = SearchSpace.build(candidates, setup.sensitivity, setup.latency, module_groups(candidates, config, fp32))
     log.info("%d tunable modules in %d units; %s combinations after pruning", len(candidates), len(space.choices),
              f"{space.size:,}" if space.size < 10 ** 15 else f"about 10^{len(str(space.size)) - 1}")
     if setup.handed_state is not None:

@@ -166,7 +166,7 @@ def run_real(workload: str, quick: bool) -> list[dict]:
         candidates = search_candidates(fp32, config)
         space = SearchSpace.build(candidates, studies.get_attr(result.study, "sensitivity"),
                                   studies.get_attr(result.study, "module_latency_ms"),
-                                  module_groups(candidates, config))
+                                  module_groups(candidates, config, fp32))
     names = list(candidates)
     inputs = as_call_inputs(example)
     calibration = record_module_inputs(fp32, names, inputs)

@@ -508,3 +508,41 @@ def test_a_trial_another_process_failed_as_stale_while_it_ran_is_dropped_and_the
     assert f"trial {failed[0]} was failed by another process while this one ran it" in caplog.text
     assert result.trials_evaluated == 3 and lost.number not in {t.number for t in result.study.trials
                                                                 if t.state == TrialState.COMPLETE}
+
+
+class TiedCells(nn.Module):
+    """Six Linear cells tied to one weight and bias, unrolled, as a small recurrent model writes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        for cell in self.cells[1:]:
+            cell.weight, cell.bias = self.cells[0].weight, self.cells[0].bias
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for cell in self.cells:
+            x = torch.tanh(cell(x))
+        return self.out(x)
+
+
+def test_modules_tied_to_one_weight_take_one_dtype_and_stay_one_module_when_lowered(storage):
+    """Each of six tied cells was tuned alone: each int8 one held its own copy of the weight (the model grew from
+    1.15 to 1.60 MiB, past fp32's size), the tie was gone, and a plan could give the cells different dtypes."""
+    from conftest import HalfCostMeasurer, fidelity
+
+    from autotune.discovery import tied_groups
+
+    torch.manual_seed(0)
+    model, x = TiedCells().eval(), torch.randn(32, 64)
+    names = [f"cells.{index}" for index in range(6)] + ["out"]
+    assert tied_groups(model, dict.fromkeys(names, ["int8", "fp32"])) == [names[:6]]
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=4, storage=storage)
+    result = autotune(model, config, fidelity(model, x), x, measurer=HalfCostMeasurer(names))
+    assert len({result.plan[name] for name in names[:6]}) == 1 and result.plan["cells.0"] == "int8", result.plan
+    cells = result.model.cells
+    assert all(cell is cells[0] for cell in cells) and isinstance(cells[0], DynamicInt8Linear)
+    assert result.best.weight_bytes < result.baseline.weight_bytes
+    for trial in result.study.trials:    # every plan the search tried kept the tie
+        assert len({trial.user_attrs["plan"][name] for name in names[:6]}) == 1

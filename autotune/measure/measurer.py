@@ -55,7 +55,8 @@ class DeviceMeasurer:
     said: set[str] = field(default_factory=set, compare=False)   # warnings given once a run, not once a shape
 
     def sensitivity(self, fp32, candidates, inputs, calibration):
-        return module_sensitivity(fp32, candidates, inputs, calibration, module_groups(candidates, self.config))
+        return module_sensitivity(fp32, candidates, inputs, calibration,
+                                  module_groups(candidates, self.config, fp32))
 
     def module_latency(self, fp32, candidates, inputs, calibration):
         timing = dict(repeats=self.config.repeats, num_threads=self.config.num_threads)
