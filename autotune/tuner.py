@@ -265,7 +265,7 @@ class _Setup:
     latency: dict[str, dict[str, float]]
     handed_state: HandedState | None    # where the forward moves its buffers
     measured_here: bool = False         # this process measured the study's signals
-    rescored: float | None = None       # the fp32 model's score as this process resumed the study
+    rescored: float | None = None       # the fp32 model's score as this process joined the study
 
 
 def usable_device(device: torch.device) -> torch.device:

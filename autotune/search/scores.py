@@ -202,31 +202,20 @@ def rescored(study: optuna.Study, fp32: nn.Module, eval_fn: Callable[[nn.Module]
     its new plans were judged against the old score, failed for good, and the recorded best was overwritten by fp32.
 
     Raises:
-        StudyMismatchError: the score is more than the tolerance away from the recorded one (as_recorded).
+        StudyMismatchError: the score is more than the tolerance away from the recorded one.
     """
     score, batches = evaluate_baseline(fp32, eval_fn, config, captures_inputs=captures_inputs)
     recorded = studies.get_attr(study, studies.BASELINE_ATTR)
-    differs = as_recorded(study.study_name, recorded, score, config,
-                          "this process judges plans against the score now (and scores a recorded best again)")
-    return score if differs else recorded, batches
-
-
-def as_recorded(study_name: str, recorded: float, score: float, config: TuningConfig, then: str) -> bool:
-    """Whether the fp32 model's `score` now differs from the study's `recorded` one, within the tolerance (warned,
-    saying what happens `then`).
-
-    Raises:
-        StudyMismatchError: it is more than the tolerance away.
-    """
     if math.isclose(score, recorded, rel_tol=1e-6, abs_tol=1e-12):   # a sum's last digits, summed otherwise
-        return False
-    said = (f"eval_fn scores the fp32 model {score:.6g} where study {study_name!r} recorded {recorded:.6g} when it "
-            "was tuned")
+        return recorded, batches
+    said = (f"eval_fn scores the fp32 model {score:.6g} where study {study.study_name!r} recorded {recorded:.6g} "
+            "when it was tuned")
     if abs(config.accuracy_loss(recorded, score)) > config.tolerable_loss:
         raise StudyMismatchError(f"{said}: its data or metric changed since, and its plans were judged against "
                                  "the old scores; tune it under another study_name (or `autotune delete` the study)")
-    log.warning("%s, within the tolerance: %s", said, then)
-    return True
+    log.warning("%s, within the tolerance: this process judges plans against the score now (and scores a recorded "
+                "best again)", said)
+    return score, batches
 
 
 def study_baseline(study: optuna.Study, storage: RDBStorage, fp32: nn.Module, eval_fn: Callable[[nn.Module], Any],
