@@ -14,8 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from autotune.backends.base import CallInputs, Technique
-from autotune.backends.int8_linear import DynamicInt8Linear, linear_on
-from autotune.backends.quantized import engine_available, plain_type, resolve_reduce_range
+from autotune.backends.int8_linear import Int8DynamicLinearConfig, linear_on
+from autotune.backends.linear_engine import DEFAULT_ENGINE
+from autotune.backends.quantized import engine_available, plain_type
 
 
 def is_packed_attention(module: nn.Module) -> bool:
@@ -132,11 +133,13 @@ class Int8DynamicMHAConfig(Technique):
 
     name: ClassVar[str] = "int8"
     reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
-    engine: str = "fbgemm"
+    engine: str | None = None            # None: as Int8DynamicLinearConfig's, measured on the query
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return is_packed_attention(module) and engine_available(self.engine, device)
+        return is_packed_attention(module) and engine_available(self.engine or DEFAULT_ENGINE, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        reduce_range = resolve_reduce_range(self.reduce_range)
-        return ProjectedAttention(module, lambda linear: DynamicInt8Linear(linear, reduce_range, self.engine))
+        projections = Int8DynamicLinearConfig(self.reduce_range, self.engine)
+        args, kwargs = calibration or ((), {})
+        query = args[0] if args else kwargs.get("query")
+        return ProjectedAttention(module, lambda linear: projections.lowered(linear, ((query,), {})))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs, Technique
+from autotune.backends.linear_engine import DEFAULT_ENGINE, dynamic_linear_engine
 from autotune.backends.quantized import (
     PackedInt8,
     engine_available,
@@ -49,13 +50,22 @@ class Int8DynamicLinearConfig(Technique):
 
     name: ClassVar[str] = "int8"
     reduce_range: bool | None = None     # 7-bit activations; None: where the CPU needs them (quantized)
-    engine: str = "fbgemm"
+    engine: str | None = None            # None: FBGEMM, or oneDNN where it runs the module faster (linear_engine)
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return plain_type(module) is nn.Linear and engine_available(self.engine, device)
+        return plain_type(module) is nn.Linear and engine_available(self.engine or DEFAULT_ENGINE, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return DynamicInt8Linear(module, resolve_reduce_range(self.reduce_range), self.engine)
+        return self.lowered(module, calibration)
+
+    def lowered(self, linear: nn.Linear, calibration: CallInputs | None) -> DynamicInt8Linear:
+        """`linear` in int8, packed for this config's engine or the one measured faster on its recorded input."""
+        reduce_range = resolve_reduce_range(self.reduce_range)
+        engine = self.engine
+        if engine is None:
+            x = calibration[0][0] if calibration and calibration[0] else None
+            engine = dynamic_linear_engine(linear, x, reduce_range)
+        return DynamicInt8Linear(linear, reduce_range, engine)
 
 
 def is_gpt_conv1d(module: nn.Module) -> bool:
@@ -71,10 +81,10 @@ class Int8DynamicConv1DConfig(Int8DynamicLinearConfig):
     """transformers' GPT-style `Conv1D` in int8, as the `nn.Linear` it computes."""
 
     def supports(self, module: nn.Module, device: torch.device) -> bool:
-        return is_gpt_conv1d(module) and engine_available(self.engine, device)
+        return is_gpt_conv1d(module) and engine_available(self.engine or DEFAULT_ENGINE, device)
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
-        return DynamicInt8Linear(conv1d_as_linear(module), resolve_reduce_range(self.reduce_range), self.engine)
+        return self.lowered(conv1d_as_linear(module), calibration)
 
 
 def linear_on(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
