@@ -55,8 +55,9 @@ def test_a_kind_of_linear_is_timed_once_per_process():
     assert len(reads) > timed
 
 
-@pytest.mark.parametrize("x", [None, torch.ones(4, 16, dtype=torch.long), (torch.randn(4, 16),)])
-def test_without_a_floating_input_recorded_fbgemm_is_kept_untimed(x):
+@pytest.mark.parametrize("x", [None, torch.ones(4, 16, dtype=torch.long), (torch.randn(4, 16),), torch.randn(0, 16),
+                               torch.tensor(2.0)])
+def test_without_rows_of_floats_recorded_fbgemm_is_kept_untimed(x):
     clock, reads = scripted_clock(1.0, 0.1)
     assert dynamic_linear_engine(nn.Linear(16, 32), x, False, clock) == "fbgemm" and reads == []
 

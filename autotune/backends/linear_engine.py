@@ -30,15 +30,19 @@ _chosen: dict[tuple, str] = {}
 def dynamic_linear_engine(linear: nn.Linear, x: object, reduce_range: bool,
                           clock: Callable[[], float] | None = None) -> str:
     """The engine to pack a dynamic int8 Linear's weight for: FBGEMM, or oneDNN where it ran `x` (the module's
-    input as recorded) clearly faster. FBGEMM where `x` is no floating tensor or only FBGEMM is built in."""
+    input as recorded) clearly faster. FBGEMM where `x` is no floating tensor, or an empty one, or where only
+    FBGEMM is built in."""
     engines = [e for e in CANDIDATES if e in torch.backends.quantized.supported_engines]
-    if len(engines) < 2 or not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+    if len(engines) < 2 or not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return DEFAULT_ENGINE
-    rows = x.detach().reshape(-1, x.shape[-1])[:MAX_ROWS].float().contiguous()
-    bias = None if linear.bias is None else linear.bias.detach().float()
-    key = (tuple(linear.weight.shape), bias is not None, rows.shape[0], reduce_range)
-    if key not in _chosen:
-        _chosen[key] = _faster(per_channel_qweight(linear.weight), bias, rows, reduce_range, engines,
+    if x.dim() == 0 or x.numel() == 0:
+        return DEFAULT_ENGINE
+    rows = min(x.numel() // x.shape[-1], MAX_ROWS)
+    key = (tuple(linear.weight.shape), linear.bias is not None, rows, reduce_range)
+    if key not in _chosen:    # the inputs are copied only here: a lowering of a kind timed before reads the key
+        timed = x.detach().reshape(-1, x.shape[-1])[:rows].float().contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        _chosen[key] = _faster(per_channel_qweight(linear.weight), bias, timed, reduce_range, engines,
                                clock or time.perf_counter)
     return _chosen[key]
 
