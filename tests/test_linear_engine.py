@@ -1,5 +1,6 @@
 """The quantized engine of an int8 Linear: FBGEMM, or oneDNN where it ran the module's own inputs clearly faster,
-timed once per kind of Linear; both compute the same numbers, and a saved model keeps the engine it was built in."""
+timed once per kind of Linear; the two round alike to within one quantisation step, and a saved model keeps the
+engine it was built in."""
 from __future__ import annotations
 
 import io
