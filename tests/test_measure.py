@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -382,3 +384,87 @@ def test_per_module_timings_taken_beside_busy_processes_are_warned_of(monkeypatc
             timing.module_latency(model, {"0": ["int8", "fp32"], "2": ["int8", "fp32"]}, inputs, calibration)
     said = "other processes kept the CPUs busy (64.0 CPUs' worth) while each module was timed alone"
     assert caplog.text.count(said) == (1 if warned else 0), caplog.text
+
+
+def _host(monkeypatch, tmp_path, meminfo: str | None, cgroup: str = "0::/\n", limits: dict | None = None):
+    """memory.py reading a host made under tmp_path in place of /proc and /sys: `meminfo` (None: unreadable),
+    /proc/self/cgroup's text, and {folder under the cgroup root: (limit, usage[, memory.stat])}."""
+    from autotune.measure import memory
+    root = tmp_path / f"host{len(list(tmp_path.iterdir()))}"
+    root.mkdir()
+    if meminfo is not None:
+        (root / "meminfo").write_text(meminfo)
+    (root / "cgroup").write_text(cgroup)
+    for folder, (limit, usage, *stat) in (limits or {}).items():
+        (root / "sys" / folder).mkdir(parents=True, exist_ok=True)
+        names = memory.V1_FILES if folder.startswith("memory") else memory.V2_FILES
+        (root / "sys" / folder / names[0]).write_text(limit)
+        (root / "sys" / folder / names[1]).write_text(usage)
+        if stat:
+            (root / "sys" / folder / "memory.stat").write_text(stat[0])
+    monkeypatch.setattr(memory, "MEMINFO", root / "meminfo")
+    monkeypatch.setattr(memory, "CGROUPS", root / "cgroup")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", root / "sys")
+    return memory
+
+
+MEMINFO = "MemTotal:       24576000 kB\nMemFree:         1000000 kB\nMemAvailable:    8388608 kB\n"
+GIB = 2 ** 30
+
+
+def test_available_memory_is_memavailable_or_what_a_cgroups_limit_leaves_where_that_is_less(monkeypatch, tmp_path):
+    """A container's or a service's limit is not in MemAvailable, which speaks of the whole host: under
+    `docker run --memory 2g` on a 24 GiB host, building finalists until MemAvailable ran short would have the
+    container killed first."""
+    memory = _host(monkeypatch, tmp_path, MEMINFO)
+    assert memory.available_bytes() == 8 * GIB
+    # cgroup v2, its own namespace (a container): the root folder is its own
+    memory = _host(monkeypatch, tmp_path, MEMINFO, limits={".": (str(2 * GIB), str(GIB))})
+    assert memory.available_bytes() == GIB
+    # the file cache in its usage that the kernel drops before it kills anything counts as free
+    cached = f"file 9\ninactive_file {GIB // 2}\n"
+    memory = _host(monkeypatch, tmp_path, MEMINFO, limits={".": (str(2 * GIB), str(GIB), cached)})
+    assert memory.available_bytes() == GIB + GIB // 2
+    memory = _host(monkeypatch, tmp_path, MEMINFO, limits={".": ("max\n", str(GIB))})      # no limit
+    assert memory.available_bytes() == 8 * GIB
+    memory = _host(monkeypatch, tmp_path, MEMINFO, limits={".": (str(GIB), str(2 * GIB))})  # over its limit
+    assert memory.available_bytes() == 0
+    # v2 on the host: a systemd service's MemoryMax on its slice, the tightest of the folders up to the root
+    memory = _host(monkeypatch, tmp_path, MEMINFO, "0::/tune.slice/run.service\n",
+                   {"tune.slice": (str(4 * GIB), str(GIB)), "tune.slice/run.service": ("max", str(GIB))})
+    assert memory.available_bytes() == 3 * GIB
+    # v1: the memory controller's own hierarchy; "no limit" is a number near 2**63
+    memory = _host(monkeypatch, tmp_path, MEMINFO, "4:memory:/docker/abc\n0::/\n",
+                   {"memory/docker/abc": (str(3 * GIB), str(2 * GIB), f"inactive_file 0\ntotal_inactive_file {GIB}\n")})
+    assert memory.available_bytes() == 2 * GIB
+    memory = _host(monkeypatch, tmp_path, MEMINFO, "4:memory:/docker/abc\n",
+                   {"memory/docker/abc": ("9223372036854771712", str(GIB))})
+    assert memory.available_bytes() == 8 * GIB
+    memory = _host(monkeypatch, tmp_path, None, "")     # nothing readable: not known, so never said to be short
+    assert memory.available_bytes() is None
+    assert memory.BuildMemory(floor=2 ** 40).short() is None
+
+
+def test_this_hosts_memory_reads_as_linux_gives_it():
+    from autotune.measure.memory import available_bytes, rss_bytes
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("no /proc here (not Linux): memory is not watched")
+    assert 0 < rss_bytes() and 0 < available_bytes() < 2 ** 50
+
+
+def test_a_build_is_taken_to_need_the_most_any_build_took_and_at_least_its_floor(monkeypatch):
+    from autotune.measure import memory
+    rss = iter([100, 400, 400, 450])   # resident bytes before and after each of two builds: +300, +50
+    monkeypatch.setattr(memory, "rss_bytes", lambda: next(rss))
+    left = [1000]
+    guard = memory.BuildMemory(floor=200, available=lambda: left[0])
+    assert guard.need == 200 and guard.short() is None
+    for _ in range(2):
+        with guard.measuring():
+            pass
+    assert guard.largest == 300 and guard.need == 300
+    left[0] = 299
+    assert guard.short() == 299
+    assert guard.why(299) == "only 0.0 MiB of memory is left and a finalist's build took up to 0.0 MiB"
+    assert memory.BuildMemory(floor=3 * 2 ** 30).why(2 ** 30) == (
+        "only 1.0 GiB of memory is left and a finalist's build may take twice the model's weights, 3.0 GiB")

@@ -477,13 +477,13 @@ def test_past_the_timeout_the_race_runs_fewer_rounds_and_no_knob_heat_is_timed(m
 
     from autotune.engines import get_engine
     from autotune.search import finalists as building
-    from autotune.search.finalists import BuildDeadline, _knobbed
+    from autotune.search.finalists import BuildLimits, _knobbed
     from autotune.search.winner import PAST_TIMEOUT_ROUNDS, _race_rounds
 
     config = TuningConfig(repeats=15)
     assert _race_rounds(config, None) == 15 and _race_rounds(config, time.monotonic() + 60) == 15
     assert _race_rounds(config, time.monotonic() - 1) == PAST_TIMEOUT_ROUNDS < 15
     monkeypatch.setattr(building, "_knob_base", lambda *args: pytest.fail("a heat was timed past the timeout"))
-    passed = BuildDeadline(time.monotonic() - 1)
+    passed = BuildLimits(time.monotonic() - 1)
     assert _knobbed(get_engine("inductor"), ["channels_last"], {}, None, None, set(), passed) == {}
     assert "channels_last is not tried in the inductor engine" in caplog.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,9 @@ from autotune.engines import (
 from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
+from autotune.measure.memory import BuildMemory
 from autotune.measure.shapes import weighted_ratio
+from autotune.measure.size import weight_bytes
 from autotune.model_call import call, entry_paths
 from autotune.plan import Plan
 from autotune.search.finalist_plans import (
@@ -65,26 +67,38 @@ class Finalist:
 
 
 @dataclass
-class BuildDeadline:
-    """The run's timeout (time.monotonic(), None: none) as the compiling engines see it: no finalist starts
-    compiling past it, nor where it is nearer than the engine's longest compile so far in this run (a Funnel
+class BuildLimits:
+    """What no compiling finalist starts past. The run's timeout (`at`, time.monotonic(), None: none): no finalist
+    starts compiling past it, nor where it is nearer than the engine's longest compile so far in this run (a Funnel
     transformer's second pt2e finalist, begun 5 s before a 240 s timeout, ended 138 s past it). Per engine: one
     engine's compiles say little of another's (a neural ODE's pt2e finalist, its solver loop unrolled by export,
-    compiled in 138 s; plain torch.compile of it in 23 s)."""
+    compiled in 138 s; plain torch.compile of it in 23 s). And the memory left (`memory`, None: not watched): every
+    finalist stays alive until the race, and none starts where what is left is less than a build took."""
     at: float | None
+    memory: BuildMemory | None = None
     longest_s: dict[str, float] = field(default_factory=dict)
+    memory_left: int | None = None    # bytes, where the last check found too few
 
     def reached(self, engine: str) -> bool:
-        return self.at is not None and time.monotonic() + self.longest_s.get(engine, FIRST_COMPILE_S) >= self.at
+        self.memory_left = self.memory.short() if self.memory is not None else None
+        return self.memory_left is not None or (
+            self.at is not None and time.monotonic() + self.longest_s.get(engine, FIRST_COMPILE_S) >= self.at)
 
     def bounding(self) -> AbstractContextManager[None]:
         """The block, stopped (CompileTimedOut, from _ready) where it is still running at the timeout: a compile
-        cannot be told how long it will take (RWKV's time loop, unrolled by export, compiled for 13 minutes)."""
-        if self.at is None:
-            return nullcontext()
-        return interrupted_after(self.at - time.monotonic(), _PastTimeout)
+        cannot be told how long it will take (RWKV's time loop, unrolled by export, compiled for 13 minutes); and
+        the memory it took, measured."""
+        bounds = ExitStack()
+        if self.memory is not None:
+            bounds.enter_context(self.memory.measuring())
+        if self.at is not None:
+            bounds.enter_context(interrupted_after(self.at - time.monotonic(), _PastTimeout))
+        return bounds
 
     def why(self, engine: str) -> str:
+        """Why `reached` said so."""
+        if self.memory_left is not None:
+            return self.memory.why(self.memory_left)
         if time.monotonic() >= self.at:
             return "the run's timeout has passed"
         if engine not in self.longest_s:
@@ -110,10 +124,11 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
     with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
-    `timeout`, time.monotonic()), or too near it (BuildDeadline), a compiling engine builds no further finalist:
-    compiles take minutes on a model of hundreds of modules. The engines build a finalist each in turn
-    (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
-    timeout = BuildDeadline(deadline)
+    `timeout`, time.monotonic()), or too near it (BuildLimits), a compiling engine builds no further finalist:
+    compiles take minutes on a model of hundreds of modules; nor where less memory is left than a compiling build
+    took so far (at least twice the model's weights): the kernel would end the run. The engines build a finalist
+    each in turn (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
+    limits = BuildLimits(deadline, BuildMemory(2 * weight_bytes(runner.fp32)))
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
     latency = studies.get_attr(runner.study, "module_latency_ms")
@@ -135,7 +150,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     builds = [_EngineBuilds(engine, engine_plans(runner, engine, uniform, every), dropped)
               for engine in sorted(engines, key=lambda engine: engine.name != "inductor")
               if engine.name not in dropped]
-    _build_in_turns(builds, runner, calibration, cache, timeout)
+    _build_in_turns(builds, runner, calibration, cache, limits)
     found: dict[str, Finalist] = {}
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     for build in builds:
@@ -144,7 +159,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             engine_knobs = [name for name in knobs
                             if KNOBS[name].engines is None or build.engine.name in KNOBS[name].engines]
             if engine_knobs and built:
-                found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, timeout))
+                found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, limits))
     if dropped:
         studies.set_attr(runner.study, "engines_dropped", dropped)
     found = _settled(found, runner)
@@ -163,7 +178,7 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
     compiling = engine != "eager"
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
-                      name=name, compiling=BuildDeadline(None) if compiling else None)
+                      name=name, compiling=BuildLimits(None) if compiling else None)
     if not _settled({name: finalist}, runner):
         raise EngineUnavailable(f"{engine}: a call after its first failed")
     return finalist
@@ -177,11 +192,11 @@ def _compile_cache(runner: TrialRunner, compiling: bool) -> CompileCache:
     return cache
 
 
-def _not_built(runner: TrialRunner, engine: Engine, timeout: BuildDeadline) -> str | None:
+def _not_built(runner: TrialRunner, engine: Engine, limits: BuildLimits) -> str | None:
     """Why a compiling engine's finalists are not built (logged), or None."""
-    if timeout.reached(engine.name):
-        log.warning("%s: the %s engine's finalists are not built", timeout.why(engine.name), engine.name)
-        return f"{timeout.why(engine.name)}, so its finalists were not built"
+    if limits.reached(engine.name):
+        log.warning("%s: the %s engine's finalists are not built", limits.why(engine.name), engine.name)
+        return f"{limits.why(engine.name)}, so its finalists were not built"
     if engine.keeps_model:
         return None
     if callers := studies.get_attr(runner.study, OWN_CALLERS_ATTR):
@@ -213,13 +228,15 @@ class _EngineBuilds:
         self.built: dict[str, Finalist] = {}
         self.failures: list[tuple[str, EngineUnavailable]] = []
 
-    def step(self, runner: TrialRunner, calibration: Calibration, cache: CompileCache, timeout: BuildDeadline,
+    def step(self, runner: TrialRunner, calibration: Calibration, cache: CompileCache, limits: BuildLimits,
              wanted: Callable[[Plan], bool] | None = None) -> bool:
         """Builds the next plan `wanted` says to build now (None: any); whether there is one more such."""
+        if self.engine.name in self.dropped:    # on the pass after the one that dropped it
+            return False
         if self.suffix and not self.built:
-            if not self.failures and (reason := _not_built(runner, self.engine, timeout)):
+            if not self.failures and (reason := _not_built(runner, self.engine, limits)):
                 return self._drop(reason)
-            if self.failures and timeout.reached(self.engine.name):
+            if self.failures and limits.reached(self.engine.name):
                 return self._given_up()
         ready = [index for index, (_, plan) in enumerate(self.waiting) if wanted is None or wanted(plan)]
         if not ready:
@@ -228,16 +245,16 @@ class _EngineBuilds:
                 log.info("the %s engine builds no finalist: it realises none of the plans worth timing",
                          self.engine.name)
             return False
-        if self.suffix and self.built and timeout.reached(self.engine.name):
-            log.warning("%s: %d more finalists of the %s engine are not built", timeout.why(self.engine.name),
+        if self.suffix and self.built and limits.reached(self.engine.name):
+            log.warning("%s: %d more finalists of the %s engine are not built", limits.why(self.engine.name),
                         len(self.waiting), self.engine.name)
             return self._finish()
         name, plan = self.waiting.pop(ready[0])
         name += self.suffix
         try:
             self.built[name] = _ready(self.engine, plan, runner, calibration, cache, name=name,
-                                      compiling=timeout if self.suffix else None)
-            timeout.note(self.built[name])
+                                      compiling=limits if self.suffix else None)
+            limits.note(self.built[name])
         except CompileTimedOut as exc:
             if self.built:
                 log.warning("%s is left out: %s", name, exc)
@@ -270,7 +287,7 @@ class _EngineBuilds:
 
 
 def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
-                    timeout: BuildDeadline) -> None:
+                    limits: BuildLimits) -> None:
     """Every engine's finalists, a plan of each engine in turn: with a timeout, every engine then builds its first
     before any builds its second (one engine at a time, a BEiT's pt2e finalists took its 240 s timeout, and the
     inductor engine, plain torch.compile among its plans, built none). The plans whose trials missed the tolerance
@@ -279,7 +296,7 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     for wanted in (lambda plan: not missed(runner, plan), None):
         building = list(builds)
         while building:
-            building = [build for build in building if build.step(runner, calibration, cache, timeout, wanted)]
+            building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
 
 
 def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan]:
@@ -311,25 +328,25 @@ def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
 
 
 def _knobbed(engine: Engine, knobs: list[str], built: dict[str, Finalist], runner: TrialRunner, cache: CompileCache,
-             failed: set[str], timeout: BuildDeadline) -> dict[str, Finalist]:
+             failed: set[str], limits: BuildLimits) -> dict[str, Finalist]:
     """`knobs` tried on one of the engine's `built` finalists (_knob_base, _with_knobs). A compiling engine past the
     run's timeout tries none, and times no heat to pick their finalist (a ViT's heats ran 40 s past it)."""
-    if engine.name != "eager" and timeout.reached(engine.name):
-        log.warning("%s: %s is not tried in the %s engine", timeout.why(engine.name), ", ".join(knobs), engine.name)
+    if engine.name != "eager" and limits.reached(engine.name):
+        log.warning("%s: %s is not tried in the %s engine", limits.why(engine.name), ", ".join(knobs), engine.name)
         return {}
-    return _with_knobs(engine, knobs, _knob_base(built, runner), runner, cache, failed, timeout)
+    return _with_knobs(engine, knobs, _knob_base(built, runner), runner, cache, failed, limits)
 
 
 def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
-                cache: CompileCache, failed: set[str], timeout: BuildDeadline) -> dict[str, Finalist]:
+                cache: CompileCache, failed: set[str], limits: BuildLimits) -> dict[str, Finalist]:
     """The finalist `base` (its name and plan) with each of `knobs` (those with an effect in this engine) until
     the run's `timeout`; a knob the model's tool or the engine then cannot handle is left out with its reason
     logged."""
     found: dict[str, Finalist] = {}
-    compiling = timeout if engine.name != "eager" else None    # the eager engine's knobs compile nothing
+    compiling = limits if engine.name != "eager" else None    # the eager engine's knobs compile nothing
     for count, knob in enumerate(KNOBS[name] for name in knobs):
         if compiling is not None and compiling.reached(engine.name):
-            log.warning("%s: %s is not tried with %s in the %s engine", timeout.why(engine.name),
+            log.warning("%s: %s is not tried with %s in the %s engine", limits.why(engine.name),
                         ", ".join(knobs[count:]), base[0], engine.name)
             break
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
@@ -338,7 +355,7 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
             name = f"{base[0]} +{knob.name}"
             found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,), name=name,
                                  compiling=compiling)
-            timeout.note(found[name])
+            limits.note(found[name])
         except CompileTimedOut as exc:
             log.warning("%s is left out: %s", name, exc)
             break
@@ -350,7 +367,7 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
 
 
 def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration, cache: CompileCache,
-           knobs: tuple[str, ...] = (), *, name: str = "", compiling: BuildDeadline | None = None) -> Finalist:
+           knobs: tuple[str, ...] = (), *, name: str = "", compiling: BuildLimits | None = None) -> Finalist:
     """`plan` built in `engine` (or read back from the study's compile cache) and called once at every shape,
     which is when torch.compile compiles: the seconds all that took are the plan's set-up cost in this engine
     (kept on the study). In an engine that compiles (`compiling`: the run's timeout), said as it starts and ends
