@@ -18,7 +18,7 @@ import torch
 from optuna.storages import BaseStorage, RDBStorage
 from torch import nn
 
-from autotune.backends import CallInputs, held_dtype
+from autotune.backends import CallInputs, calibration_kept, held_dtype
 from autotune.capture import detach_clone, example_or_batches, record_module_inputs
 from autotune.clone import clone
 from autotune.config.tuning import LatencyInput, TuningConfig
@@ -385,6 +385,10 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
                     "when eval_fn did not call them; tune them in a new study", len(unknown), ", ".join(unknown))
     candidates = {name: [d for d in dtypes if d in latency[name]] for name, dtypes in candidates.items()
                   if name in latency}
+    # From here on a module's recorded inputs only calibrate its lowering: kept whole for the whole run, a
+    # 12-layer encoder's held as many bytes as its weights.
+    calibration = {name: calibration_kept(fp32.get_submodule(name), candidates.get(name, []), inputs)
+                   for name, inputs in calibration.items()}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency,
                   handed if moved else None, rescored=score)
 

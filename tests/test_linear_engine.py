@@ -97,3 +97,50 @@ def test_an_engine_named_in_the_config_is_used_untimed(monkeypatch):
     monkeypatch.setattr(linear_engine, "_faster", lambda *args: pytest.fail("timed an engine the config named"))
     lowered = Int8DynamicLinearConfig(engine="fbgemm").apply(nn.Linear(8, 8), ((torch.randn(3, 8),), {}))
     assert lowered.engine == "fbgemm"
+
+
+@needs_onednn
+def test_the_rows_kept_of_a_linears_recorded_input_make_the_choice_the_whole_input_makes():
+    """Once the signals are measured, a module's recorded input only calibrates its lowering, and an int8 Linear's
+    reads the rows its engine choice times: only those are kept for the run (whole, they grow with the batch and
+    the sequence). Kept rows and whole input must give one key, so a kind is timed once either way."""
+    from autotune.backends import calibration_kept
+    linear, x = nn.Linear(16, 32), torch.randn(8, 300, 16)
+    (rows,), kwargs = calibration_kept(linear, ["int8", "bf16"], ((x,), {}))
+    assert kwargs == {} and rows.shape == (linear_engine.MAX_ROWS, 16)
+    assert torch.equal(rows, x.reshape(-1, 16)[:linear_engine.MAX_ROWS])
+    clock, reads = scripted_clock(1.0, 0.5)
+    assert dynamic_linear_engine(linear, x, False, clock) == "onednn"
+    timed = len(reads)
+    assert dynamic_linear_engine(linear, rows, False, clock) == "onednn" and len(reads) == timed
+    small = torch.randn(3, 16)     # fewer rows than the choice times: kept as they are
+    assert torch.equal(calibration_kept(linear, ["int8"], ((small,), {}))[0][0], small)
+
+
+def test_what_each_technique_keeps_of_a_modules_recorded_inputs():
+    """Casts and int8 RNNs read nothing of them, a static int8 convolution all (its activation ranges), attention
+    the query's rows; where the techniques of a module's dtypes read different parts, all of it is kept."""
+    from autotune.backends import CastConfig, calibration_kept, register_technique, unregister_technique
+    from autotune.backends.base import Technique
+    x = torch.randn(2, 3, 8, 8)
+    conv, linear = nn.Conv2d(3, 4, 3), nn.Linear(8, 8)
+    assert calibration_kept(linear, ["bf16", "fp16", "fp32"], ((x,), {})) == ((), {})
+    assert calibration_kept(nn.LSTM(8, 8), ["int8", "bf16"], ((torch.randn(5, 2, 8),), {})) == ((), {})
+    whole = ((x,), {})
+    assert calibration_kept(conv, ["int8", "bf16"], whole) is whole
+    attention, q = nn.MultiheadAttention(8, 2, batch_first=True), torch.randn(2, 600, 8)
+    (rows,), _ = calibration_kept(attention, ["int8"], ((), {"query": q, "key": q, "value": q}))
+    assert rows.shape == (linear_engine.MAX_ROWS, 8)
+    assert calibration_kept(linear, ["int8"], ((torch.randn(4, 8),), {}))[0][0].shape == (4, 8)
+
+    class ReadsItAll(CastConfig):   # a user's technique: kept what the base says, all of it
+        def calibration_kept(self, calibration):
+            return Technique.calibration_kept(self, calibration)
+
+    mine = register_technique(ReadsItAll(torch.bfloat16))
+    try:
+        recorded = ((torch.randn(4, 8),), {})
+        assert calibration_kept(linear, ["int8", "bf16"], recorded) is recorded
+    finally:
+        unregister_technique(mine)
+    assert Int8DynamicLinearConfig(engine="fbgemm").calibration_kept(((x,), {})) == ((), {})

@@ -83,6 +83,18 @@ def dtype_of(module: nn.Module) -> str:
     return "fp32" if technique is None else technique.name
 
 
+def calibration_kept(module: nn.Module, dtypes: list[str], calibration: CallInputs) -> CallInputs:
+    """What of `module`'s recorded inputs the techniques that lower it in `dtypes` read (Technique.calibration_kept):
+    none where none reads any, all of it where they read different parts."""
+    device = _device_of(module)
+    techniques = [technique for dtype in dtypes if dtype in _BACKENDS
+                  if (technique := _BACKENDS[dtype].technique_for(module, device)) is not None]
+    read = [kept for kept in (technique.calibration_kept(calibration) for technique in techniques) if any(kept)]
+    if not read:
+        return (), {}
+    return read[0] if len(read) == 1 else calibration
+
+
 def _device_of(module: nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     return tensor.device if tensor is not None else torch.device("cpu")
@@ -95,5 +107,5 @@ for _technique in (KeepFp32Config(), CastConfig(torch.bfloat16), CastConfig(torc
 
 __all__ = ["CallInputs", "CastConfig", "DtypeBackend", "Int8DynamicConv1DConfig", "Int8DynamicLinearConfig",
            "Int8DynamicMHAConfig", "Int8DynamicRNNConfig", "Int8StaticConv1dConfig", "Int8StaticConv2dConfig",
-           "KeepFp32Config", "Technique", "dtype_names", "dtype_of", "get_backend", "held_dtype", "register_technique",
-           "technique_of", "unregister_technique"]
+           "KeepFp32Config", "Technique", "calibration_kept", "dtype_names", "dtype_of", "get_backend", "held_dtype",
+           "register_technique", "technique_of", "unregister_technique"]

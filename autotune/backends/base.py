@@ -31,6 +31,12 @@ class Technique:
         """The handler: a new module to use in place of `module`, sharing no weights with it."""
         raise NotImplementedError
 
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        """What of a module's recorded inputs `lower` reads, kept for the whole run once the module's signals are
+        measured: all of it unless the technique says less (a 12-layer encoder's recorded inputs held as many
+        bytes as its weights, and they grow with the batch and the sequence)."""
+        return calibration
+
     def apply(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         """`lower`, with the result marked as built by this technique; `module` is left as it was.
 

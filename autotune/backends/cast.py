@@ -77,6 +77,9 @@ class KeepFp32Config(Technique):
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return clone(module)
 
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        return (), {}
+
 
 @dataclass(frozen=True)
 class CastConfig(Technique):
@@ -104,3 +107,6 @@ class CastConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return CastWrapper(clone(module), self.dtype)
+
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        return (), {}

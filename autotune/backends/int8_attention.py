@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from autotune.backends.base import CallInputs, Technique
 from autotune.backends.int8_linear import Int8DynamicLinearConfig, linear_on
-from autotune.backends.linear_engine import DEFAULT_ENGINE
+from autotune.backends.linear_engine import DEFAULT_ENGINE, timed_rows
 from autotune.backends.quantized import engine_available, plain_type
 
 
@@ -140,6 +140,13 @@ class Int8DynamicMHAConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         projections = Int8DynamicLinearConfig(self.reduce_range, self.engine)
-        args, kwargs = calibration or ((), {})
-        query = args[0] if args else kwargs.get("query")
-        return ProjectedAttention(module, lambda linear: projections.lowered(linear, ((query,), {})))
+        return ProjectedAttention(module, lambda linear: projections.lowered(linear, ((_query(calibration),), {})))
+
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        """The rows of the query the projections' engine choice times, where it is made."""
+        return ((timed_rows(_query(calibration)),), {}) if self.engine is None else ((), {})
+
+
+def _query(calibration: CallInputs | None) -> object:
+    args, kwargs = calibration or ((), {})
+    return args[0] if args else kwargs.get("query")

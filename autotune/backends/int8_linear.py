@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs, Technique
-from autotune.backends.linear_engine import DEFAULT_ENGINE, dynamic_linear_engine
+from autotune.backends.linear_engine import DEFAULT_ENGINE, dynamic_linear_engine, timed_rows
 from autotune.backends.quantized import (
     PackedInt8,
     engine_available,
@@ -57,6 +57,11 @@ class Int8DynamicLinearConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return self.lowered(module, calibration)
+
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        """The rows the engine choice times, where it is made."""
+        args, _ = calibration
+        return ((timed_rows(args[0]),), {}) if self.engine is None and args else ((), {})
 
     def lowered(self, linear: nn.Linear, calibration: CallInputs | None) -> DynamicInt8Linear:
         """`linear` in int8, packed for this config's engine or the one measured faster on its recorded input."""

@@ -125,3 +125,6 @@ class Int8DynamicRNNConfig(Technique):
 
     def lower(self, module: nn.Module, calibration: CallInputs | None) -> nn.Module:
         return DynamicInt8RNN(module, resolve_reduce_range(self.reduce_range), self.engine)
+
+    def calibration_kept(self, calibration: CallInputs) -> CallInputs:
+        return (), {}

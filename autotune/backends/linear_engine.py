@@ -47,6 +47,14 @@ def dynamic_linear_engine(linear: nn.Linear, x: object, reduce_range: bool,
     return _chosen[key]
 
 
+def timed_rows(x: object) -> object:
+    """What of a Linear's recorded input the choice reads: its first MAX_ROWS rows, as rows of one matrix (the
+    same key and the same rows timed as the whole input); anything but a floating tensor as it is."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.numel() == 0:
+        return x
+    return x.detach().reshape(-1, x.shape[-1])[:MAX_ROWS].clone()
+
+
 def _faster(qweight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor, reduce_range: bool,
             engines: list[str], clock: Callable[[], float]) -> str:
     calls = {}
