@@ -904,12 +904,8 @@ def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_its_engin
                          rf"\(10\d\d s\): \d+ more finalists of the {engine} engine are not built", caplog.text)
 
 
-def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_any_builds_its_second(
-        tmp_path, caplog, monkeypatch):
-    """One engine at a time, a BEiT's pt2e finalists took its 240 s timeout and the inductor engine (plain
-    torch.compile among its plans) built none. Here the timeout is reached once two finalists have compiled. The
-    inductor engine's turn comes first: its first is plain torch.compile, the peer a user would pick (a 502-layer
-    MLP's first pt2e finalist took 531 s of a 600 s timeout, and the run returned fp32 eager)."""
+def compiled_finalists(monkeypatch) -> list[str]:
+    """The names of the finalists compiled from here on, in the order they are built."""
     from autotune.search import finalists as finals
     ready, compiled = finals._ready, []
 
@@ -920,6 +916,17 @@ def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_
         return finalist
 
     monkeypatch.setattr(finals, "_ready", counted)
+    return compiled
+
+
+def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_any_builds_its_second(
+        tmp_path, caplog, monkeypatch):
+    """One engine at a time, a BEiT's pt2e finalists took its 240 s timeout and the inductor engine (plain
+    torch.compile among its plans) built none. Here the timeout is reached once two finalists have compiled. The
+    inductor engine's turn comes first: its first is plain torch.compile, the peer a user would pick (a 502-layer
+    MLP's first pt2e finalist took 531 s of a 600 s timeout, and the run returned fp32 eager)."""
+    from autotune.search import finalists as finals
+    compiled = compiled_finalists(monkeypatch)
     monkeypatch.setattr(finals.BuildLimits, "reached", lambda self, engine: len(compiled) >= 2)
     model, x = mlp(), batches(1)[0][0][0]
     settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=900)
@@ -938,16 +945,7 @@ def test_no_compiling_finalist_starts_where_less_memory_is_left_than_a_build_too
     took, the finalists built are raced and the rest are said to be left out, instead of the kernel ending the run
     with nothing returned. Here the host has room for the first build only."""
     from autotune.measure import memory
-    from autotune.search import finalists as finals
-    ready, compiled = finals._ready, []
-
-    def counted(*args, **kwargs):
-        finalist = ready(*args, **kwargs)
-        if finalist.runnable is not finalist.built:
-            compiled.append(kwargs["name"])
-        return finalist
-
-    monkeypatch.setattr(finals, "_ready", counted)
+    compiled = compiled_finalists(monkeypatch)
     monkeypatch.setattr(memory, "available_bytes", lambda: 10 * 2 ** 30 if not compiled else 0)
     model, x = mlp(), batches(1)[0][0][0]
     with caplog.at_level("WARNING", logger="autotune"):
