@@ -440,6 +440,10 @@ def test_available_memory_is_memavailable_or_what_a_cgroups_limit_leaves_where_t
     memory = _host(monkeypatch, tmp_path, MEMINFO, "4:memory:/docker/abc\n",
                    {"memory/docker/abc": ("9223372036854771712", str(GIB))})
     assert memory.available_bytes() == 8 * GIB
+    # lines and files it cannot read, and a namespace whose path starts above it, are passed over
+    memory = _host(monkeypatch, tmp_path, MEMINFO, "garbage\n0::/../../x\n",
+                   {".": ("banana", str(GIB)), "x": (str(2 * GIB), str(GIB))})
+    assert memory.available_bytes() == GIB
     memory = _host(monkeypatch, tmp_path, None, "")     # nothing readable: not known, so never said to be short
     assert memory.available_bytes() is None
     assert memory.BuildMemory(floor=2 ** 40).short() is None

@@ -51,8 +51,7 @@ def _meminfo_available() -> int | None:
 def _cgroup_left() -> int | None:
     """The least any memory cgroup this process is in leaves, from its own up to the root (a limit set on a parent,
     a Kubernetes pod's, binds too); None where none sets one."""
-    left = [max(int(limit) - usage, 0) for limit, usage in map(_read_pair, _cgroup_dirs())
-            if limit is not None and limit != "max" and int(limit) < UNLIMITED]
+    left = [max(limit - usage, 0) for limit, usage in map(_limit_and_usage, _cgroup_dirs()) if limit is not None]
     return min(left) if left else None
 
 
@@ -65,6 +64,8 @@ def _cgroup_dirs() -> list[tuple[Path, tuple[str, str]]]:
         lines = []
     found = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             base, files = CGROUP_ROOT, V2_FILES
@@ -72,17 +73,18 @@ def _cgroup_dirs() -> list[tuple[Path, tuple[str, str]]]:
             base, files = CGROUP_ROOT / "memory", V1_FILES
         else:
             continue
-        parts = Path(path).relative_to("/").parts
+        parts = [part for part in path.split("/") if part not in ("", ".", "..")]   # ".." : above its namespace
         found += [(base.joinpath(*parts[:depth]), files) for depth in range(len(parts), -1, -1)]
     return found
 
 
-def _read_pair(where: tuple[Path, tuple[str, str]]) -> tuple[str | None, int]:
-    """A cgroup's limit as written, and its usage less the file cache the kernel would drop before it killed
-    anything (inactive files, as `docker stats` counts them)."""
+def _limit_and_usage(where: tuple[Path, tuple[str, str]]) -> tuple[int | None, int]:
+    """A cgroup's limit (None: it sets none, or cannot be read), and its usage less the file cache the kernel would
+    drop before it killed anything (inactive files, as `docker stats` counts them)."""
     folder, (limit_name, usage_name) = where
     try:
-        limit, usage = (folder / limit_name).read_text().strip(), int((folder / usage_name).read_text().strip())
+        written, usage = (folder / limit_name).read_text().strip(), int((folder / usage_name).read_text().strip())
+        limit = None if written == "max" or int(written) >= UNLIMITED else int(written)
     except (OSError, ValueError):
         return None, 0
     try:
