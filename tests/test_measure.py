@@ -446,7 +446,7 @@ def test_available_memory_is_memavailable_or_what_a_cgroups_limit_leaves_where_t
     assert memory.available_bytes() == GIB
     memory = _host(monkeypatch, tmp_path, None, "")     # nothing readable: not known, so never said to be short
     assert memory.available_bytes() is None
-    assert memory.BuildMemory(floor=2 ** 40).short() is None
+    assert memory.BuildMemory(weights=2 ** 40).short() is None
 
 
 def test_this_hosts_memory_reads_as_linux_gives_it():
@@ -456,19 +456,23 @@ def test_this_hosts_memory_reads_as_linux_gives_it():
     assert 0 < rss_bytes() and 0 < available_bytes() < 2 ** 50
 
 
-def test_a_build_is_taken_to_need_the_most_any_build_took_and_at_least_its_floor(monkeypatch):
+def test_a_build_is_taken_to_need_the_most_any_build_took_and_the_weights_are_kept_for_the_race(monkeypatch):
     from autotune.measure import memory
     rss = iter([100, 400, 400, 450])   # resident bytes before and after each of two builds: +300, +50
     monkeypatch.setattr(memory, "rss_bytes", lambda: next(rss))
     left = [1000]
-    guard = memory.BuildMemory(floor=200, available=lambda: left[0])
-    assert guard.need == 200 and guard.short() is None
+    guard = memory.BuildMemory(weights=100, available=lambda: left[0])
+    assert guard.build == 200 and guard.short() is None     # twice the weights until a build shows more
     for _ in range(2):
         with guard.measuring():
             pass
-    assert guard.largest == 300 and guard.need == 300
-    left[0] = 299
-    assert guard.short() == 299
-    assert guard.why(299) == "only 0.0 MiB of memory is left and a finalist's build took up to 0.0 MiB"
-    assert memory.BuildMemory(floor=3 * 2 ** 30).why(2 ** 30) == (
-        "only 1.0 GiB of memory is left and a finalist's build may take twice the model's weights, 3.0 GiB")
+    assert guard.largest == 300 and guard.build == 300
+    left[0] = 400
+    assert guard.short() is None           # a build (300) and the race's reserve (the weights, 100)
+    left[0] = 399
+    assert guard.short() == 399
+    assert guard.why(399) == ("only 0.0 MiB of memory is left, a finalist's build took up to 0.0 MiB, and the race "
+                              "after needs about the weights again")
+    assert memory.BuildMemory(weights=2 ** 30).why(2 ** 30) == (
+        "only 1.0 GiB of memory is left, a finalist's build may take twice the model's weights, 2.0 GiB, and the race "
+        "after needs about the weights again")

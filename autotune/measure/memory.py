@@ -102,20 +102,23 @@ def in_words(size: int) -> str:
 
 @dataclass
 class BuildMemory:
-    """Whether one more build fits: it is taken to need as much as the most any build so far grew the process by
-    (`measuring`), and at least `floor` (a model's weights, twice, before any build has shown what it takes)."""
-    floor: int
+    """Whether one more build fits in what is left, with `weights` (the model's) kept beside it for what follows
+    the builds: the race and the winner's checks grew the encoder's process by 1.3x its weights. A build is taken
+    to need the most any build so far grew the process by (`measuring`), and at least twice the weights before
+    one has shown what it takes."""
+    weights: int
     available: Callable[[], int | None] = field(default=lambda: available_bytes())   # looked up at each call
     largest: int = 0      # bytes: the most a build measured so far grew the resident memory by
 
     @property
-    def need(self) -> int:
-        return max(self.floor, self.largest)
+    def build(self) -> int:
+        return max(2 * self.weights, self.largest)
 
     def short(self) -> int | None:
-        """The bytes available where they are fewer than a build needs; None where it fits, or is not known."""
+        """The bytes available where they are fewer than a build and the reserve need; None where they fit, or
+        are not known."""
         left = self.available()
-        return left if left is not None and left < self.need else None
+        return left if left is not None and left < self.build + self.weights else None
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
@@ -128,6 +131,6 @@ class BuildMemory:
                 self.largest = max(self.largest, after - before)
 
     def why(self, left: int) -> str:
-        taken = f"a finalist's build took up to {in_words(self.largest)}" if self.largest >= self.floor else \
-            f"a finalist's build may take twice the model's weights, {in_words(self.floor)}"
-        return f"only {in_words(left)} of memory is left and {taken}"
+        taken = f"a finalist's build took up to {in_words(self.largest)}" if self.largest >= 2 * self.weights else \
+            f"a finalist's build may take twice the model's weights, {in_words(2 * self.weights)}"
+        return f"only {in_words(left)} of memory is left, {taken}, and the race after needs about the weights again"

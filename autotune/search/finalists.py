@@ -126,9 +126,10 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
     `timeout`, time.monotonic()), or too near it (BuildLimits), a compiling engine builds no further finalist:
     compiles take minutes on a model of hundreds of modules; nor where less memory is left than a compiling build
-    took so far (at least twice the model's weights): the kernel would end the run. The engines build a finalist
+    took so far (at least twice the model's weights) and the weights again for the race: the kernel would end the
+    run. The engines build a finalist
     each in turn (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
-    limits = BuildLimits(deadline, BuildMemory(2 * weight_bytes(runner.fp32)))
+    limits = BuildLimits(deadline, BuildMemory(weight_bytes(runner.fp32)))
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
     latency = studies.get_attr(runner.study, "module_latency_ms")
