@@ -927,7 +927,8 @@ def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_
     MLP's first pt2e finalist took 531 s of a 600 s timeout, and the run returned fp32 eager)."""
     from autotune.search import finalists as finals
     compiled = compiled_finalists(monkeypatch)
-    monkeypatch.setattr(finals.BuildLimits, "reached", lambda self, engine: len(compiled) >= 2)
+    monkeypatch.setattr(finals.BuildLimits, "stop_reason",
+                        lambda self, engine: "the run's timeout has passed" if len(compiled) >= 2 else None)
     model, x = mlp(), batches(1)[0][0][0]
     settings = config(tmp_path, engines=["eager", "compiled", "inductor"], timeout=900)
     with caplog.at_level("WARNING", logger="autotune"):
@@ -1014,7 +1015,8 @@ def test_with_a_timeout_the_inductor_engine_builds_plain_torch_compile_of_the_mo
         return finalist
 
     monkeypatch.setattr(finals, "_ready", counted)
-    monkeypatch.setattr(finals.BuildLimits, "reached", lambda self, engine: bool(compiled))
+    monkeypatch.setattr(finals.BuildLimits, "stop_reason",
+                        lambda self, engine: "the run's timeout has passed" if compiled else None)
     model, x = mlp(), batches(1)[0][0][0]
     settings = config(tmp_path, engines=["inductor"], timeout=900)
     result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
@@ -1037,7 +1039,8 @@ def test_past_the_timeout_an_engine_whose_finalist_failed_tries_no_other_and_say
         return built_and_called(engine, *args, **kwargs)
 
     monkeypatch.setattr(finals, "_built_and_called", export_fails)
-    monkeypatch.setattr(finals.BuildLimits, "reached", lambda self, engine: bool(tried))
+    monkeypatch.setattr(finals.BuildLimits, "stop_reason",
+                        lambda self, engine: "the run's timeout has passed" if tried else None)
     model, x = mlp(), batches(1)[0][0][0]
     with caplog.at_level("WARNING", logger="autotune"):
         result = autotune(model, config(tmp_path, engines=["eager", "compiled"], timeout=900), fidelity(model), x,
@@ -1062,7 +1065,7 @@ def test_an_engine_realising_none_of_the_plans_worth_timing_says_so(tmp_path, ca
 def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path, caplog, monkeypatch):
     """RWKV's first pt2e finalist compiled silently for 13 minutes past a 240 s timeout: a compile's length cannot
     be known before it ends, so the one running at the timeout is stopped. Here every compile would take 10 min,
-    and each engine starts one whatever the time left (`reached` patched), so each must be stopped."""
+    and each engine starts one whatever the time left (`stop_reason` patched), so each must be stopped."""
     import time
 
     from autotune.search import finalists as finals
@@ -1074,7 +1077,7 @@ def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path,
         return built_and_called(engine, *args, **kwargs)
 
     monkeypatch.setattr(finals, "_built_and_called", endless)
-    monkeypatch.setattr(finals.BuildLimits, "reached", lambda self, engine: False)
+    monkeypatch.setattr(finals.BuildLimits, "stop_reason", lambda self, engine: None)
     model, x = mlp(), batches(1)[0][0][0]
     started = time.monotonic()
     with caplog.at_level("INFO", logger="autotune"):
@@ -1770,11 +1773,11 @@ def test_no_first_compile_starts_within_seconds_of_the_timeout():
 
     from autotune.search.finalists import FIRST_COMPILE_S, BuildLimits
     near, far = BuildLimits(time.monotonic() + FIRST_COMPILE_S / 2), BuildLimits(time.monotonic() + 60)
-    assert near.reached("inductor") and not far.reached("inductor")
-    assert near.why("inductor") == \
+    assert far.stop_reason("inductor") is None
+    assert near.stop_reason("inductor") == \
         f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
     near.longest_s["inductor"] = 1.0      # an engine whose compiles are known to be quick may start one then
-    assert not near.reached("inductor")
+    assert near.stop_reason("inductor") is None
 
 
 def test_a_finished_study_run_again_builds_only_its_recorded_compiled_winner(tmp_path, monkeypatch):

@@ -446,7 +446,7 @@ def test_available_memory_is_memavailable_or_what_a_cgroups_limit_leaves_where_t
     assert memory.available_bytes() == GIB
     memory = _host(monkeypatch, tmp_path, None, "")     # nothing readable: not known, so never said to be short
     assert memory.available_bytes() is None
-    assert memory.BuildMemory(weights=2 ** 40).short() is None
+    assert memory.BuildMemory(weights=2 ** 40).too_little() is None
 
 
 def test_this_hosts_memory_reads_as_linux_gives_it():
@@ -462,17 +462,16 @@ def test_a_build_is_taken_to_need_the_most_any_build_took_and_the_weights_are_ke
     monkeypatch.setattr(memory, "rss_bytes", lambda: next(rss))
     left = [1000]
     guard = memory.BuildMemory(weights=100, available=lambda: left[0])
-    assert guard.build == 200 and guard.short() is None     # twice the weights until a build shows more
+    assert guard.build == 200 and guard.too_little() is None     # twice the weights until a build shows more
     for _ in range(2):
         with guard.measuring():
             pass
     assert guard.largest == 300 and guard.build == 300
     left[0] = 400
-    assert guard.short() is None           # a build (300) and the race's reserve (the weights, 100)
+    assert guard.too_little() is None           # a build (300) and the race's reserve (the weights, 100)
     left[0] = 399
-    assert guard.short() == 399
-    assert guard.why(399) == ("only 0.0 MiB of memory is left, a finalist's build took up to 0.0 MiB, and the race "
-                              "after needs about the weights again")
-    assert memory.BuildMemory(weights=2 ** 30).why(2 ** 30) == (
+    assert guard.too_little() == ("only 0.0 MiB of memory is left, a finalist's build took up to 0.0 MiB, and the "
+                                  "race after needs about the weights again")
+    assert memory.BuildMemory(weights=2 ** 30, available=lambda: 2 ** 30).too_little() == (
         "only 1.0 GiB of memory is left, a finalist's build may take twice the model's weights, 2.0 GiB, and the race "
         "after needs about the weights again")

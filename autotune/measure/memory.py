@@ -114,11 +114,15 @@ class BuildMemory:
     def build(self) -> int:
         return max(2 * self.weights, self.largest)
 
-    def short(self) -> int | None:
-        """The bytes available where they are fewer than a build and the reserve need; None where they fit, or
-        are not known."""
+    def too_little(self) -> str | None:
+        """Why the memory available is too little for a build and the reserve, in words; None where they fit, or
+        it is not known."""
         left = self.available()
-        return left if left is not None and left < self.build + self.weights else None
+        if left is None or left >= self.build + self.weights:
+            return None
+        taken = f"a finalist's build took up to {in_words(self.largest)}" if self.largest >= 2 * self.weights else \
+            f"a finalist's build may take twice the model's weights, {in_words(2 * self.weights)}"
+        return f"only {in_words(left)} of memory is left, {taken}, and the race after needs about the weights again"
 
     @contextmanager
     def measuring(self) -> Iterator[None]:
@@ -129,8 +133,3 @@ class BuildMemory:
             after = rss_bytes()
             if before is not None and after is not None:
                 self.largest = max(self.largest, after - before)
-
-    def why(self, left: int) -> str:
-        taken = f"a finalist's build took up to {in_words(self.largest)}" if self.largest >= 2 * self.weights else \
-            f"a finalist's build may take twice the model's weights, {in_words(2 * self.weights)}"
-        return f"only {in_words(left)} of memory is left, {taken}, and the race after needs about the weights again"

@@ -77,12 +77,19 @@ class BuildLimits:
     at: float | None
     memory: BuildMemory | None = None
     longest_s: dict[str, float] = field(default_factory=dict)
-    memory_left: int | None = None    # bytes, where the last check found too few
 
-    def reached(self, engine: str) -> bool:
-        self.memory_left = self.memory.short() if self.memory is not None else None
-        return self.memory_left is not None or (
-            self.at is not None and time.monotonic() + self.longest_s.get(engine, FIRST_COMPILE_S) >= self.at)
+    def stop_reason(self, engine: str) -> str | None:
+        """Why no finalist of `engine` starts now, or None."""
+        if self.memory is not None and (too_little := self.memory.too_little()):
+            return too_little
+        if self.at is None or time.monotonic() + self.longest_s.get(engine, FIRST_COMPILE_S) < self.at:
+            return None
+        if time.monotonic() >= self.at:
+            return "the run's timeout has passed"
+        if engine not in self.longest_s:
+            return f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
+        return (f"the run's timeout is nearer than the {engine} engine's longest compile so far "
+                f"({self.longest_s[engine]:.0f} s)")
 
     def bounding(self) -> AbstractContextManager[None]:
         """The block, stopped (CompileTimedOut, from _ready) where it is still running at the timeout: a compile
@@ -94,17 +101,6 @@ class BuildLimits:
         if self.at is not None:
             bounds.enter_context(interrupted_after(self.at - time.monotonic(), _PastTimeout))
         return bounds
-
-    def why(self, engine: str) -> str:
-        """Why `reached` said so."""
-        if self.memory_left is not None:
-            return self.memory.why(self.memory_left)
-        if time.monotonic() >= self.at:
-            return "the run's timeout has passed"
-        if engine not in self.longest_s:
-            return f"the run's timeout is under {FIRST_COMPILE_S:g} s away, too near for a first compile"
-        return (f"the run's timeout is nearer than the {engine} engine's longest compile so far "
-                f"({self.longest_s[engine]:.0f} s)")
 
     def note(self, finalist: Finalist) -> None:
         if finalist.runnable is not finalist.built:
@@ -127,8 +123,8 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     `timeout`, time.monotonic()), or too near it (BuildLimits), a compiling engine builds no further finalist:
     compiles take minutes on a model of hundreds of modules; nor where less memory is left than a compiling build
     took so far (at least twice the model's weights) and the weights again for the race: the kernel would end the
-    run. The engines build a finalist
-    each in turn (_build_in_turns); the eager engine's compile nothing, and are never stopped."""
+    run. The engines build a finalist each in turn (_build_in_turns); the eager engine's compile nothing, and are
+    never stopped."""
     limits = BuildLimits(deadline, BuildMemory(weight_bytes(runner.fp32)))
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
@@ -195,9 +191,9 @@ def _compile_cache(runner: TrialRunner, compiling: bool) -> CompileCache:
 
 def _not_built(runner: TrialRunner, engine: Engine, limits: BuildLimits) -> str | None:
     """Why a compiling engine's finalists are not built (logged), or None."""
-    if limits.reached(engine.name):
-        log.warning("%s: the %s engine's finalists are not built", limits.why(engine.name), engine.name)
-        return f"{limits.why(engine.name)}, so its finalists were not built"
+    if stop := limits.stop_reason(engine.name):
+        log.warning("%s: the %s engine's finalists are not built", stop, engine.name)
+        return f"{stop}, so its finalists were not built"
     if engine.keeps_model:
         return None
     if callers := studies.get_attr(runner.study, OWN_CALLERS_ATTR):
@@ -237,7 +233,7 @@ class _EngineBuilds:
         if self.suffix and not self.built:
             if not self.failures and (reason := _not_built(runner, self.engine, limits)):
                 return self._drop(reason)
-            if self.failures and limits.reached(self.engine.name):
+            if self.failures and limits.stop_reason(self.engine.name):
                 return self._given_up()
         ready = [index for index, (_, plan) in enumerate(self.waiting) if wanted is None or wanted(plan)]
         if not ready:
@@ -246,8 +242,8 @@ class _EngineBuilds:
                 log.info("the %s engine builds no finalist: it realises none of the plans worth timing",
                          self.engine.name)
             return False
-        if self.suffix and self.built and limits.reached(self.engine.name):
-            log.warning("%s: %d more finalists of the %s engine are not built", limits.why(self.engine.name),
+        if self.suffix and self.built and (stop := limits.stop_reason(self.engine.name)):
+            log.warning("%s: %d more finalists of the %s engine are not built", stop,
                         len(self.waiting), self.engine.name)
             return self._finish()
         name, plan = self.waiting.pop(ready[0])
@@ -332,8 +328,8 @@ def _knobbed(engine: Engine, knobs: list[str], built: dict[str, Finalist], runne
              failed: set[str], limits: BuildLimits) -> dict[str, Finalist]:
     """`knobs` tried on one of the engine's `built` finalists (_knob_base, _with_knobs). A compiling engine past the
     run's timeout tries none, and times no heat to pick their finalist (a ViT's heats ran 40 s past it)."""
-    if engine.name != "eager" and limits.reached(engine.name):
-        log.warning("%s: %s is not tried in the %s engine", limits.why(engine.name), ", ".join(knobs), engine.name)
+    if engine.name != "eager" and (stop := limits.stop_reason(engine.name)):
+        log.warning("%s: %s is not tried in the %s engine", stop, ", ".join(knobs), engine.name)
         return {}
     return _with_knobs(engine, knobs, _knob_base(built, runner), runner, cache, failed, limits)
 
@@ -346,8 +342,8 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
     found: dict[str, Finalist] = {}
     compiling = limits if engine.name != "eager" else None    # the eager engine's knobs compile nothing
     for count, knob in enumerate(KNOBS[name] for name in knobs):
-        if compiling is not None and compiling.reached(engine.name):
-            log.warning("%s: %s is not tried with %s in the %s engine", limits.why(engine.name),
+        if compiling is not None and (stop := compiling.stop_reason(engine.name)):
+            log.warning("%s: %s is not tried with %s in the %s engine", stop,
                         ", ".join(knobs[count:]), base[0], engine.name)
             break
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
