@@ -33,26 +33,28 @@ def dynamic_linear_engine(linear: nn.Linear, x: object, reduce_range: bool,
     input as recorded) clearly faster. FBGEMM where `x` is no floating tensor, or an empty one, or where only
     FBGEMM is built in."""
     engines = [e for e in CANDIDATES if e in torch.backends.quantized.supported_engines]
-    if len(engines) < 2 or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    rows = _row_count(x)
+    if len(engines) < 2 or not rows:
         return DEFAULT_ENGINE
-    if x.dim() == 0 or x.numel() == 0:
-        return DEFAULT_ENGINE
-    rows = min(x.numel() // x.shape[-1], MAX_ROWS)
     key = (tuple(linear.weight.shape), linear.bias is not None, rows, reduce_range)
     if key not in _chosen:    # the inputs are copied only here: a lowering of a kind timed before reads the key
-        timed = x.detach().reshape(-1, x.shape[-1])[:rows].float().contiguous()
         bias = None if linear.bias is None else linear.bias.detach().float()
-        _chosen[key] = _faster(per_channel_qweight(linear.weight), bias, timed, reduce_range, engines,
-                               clock or time.perf_counter)
+        _chosen[key] = _faster(per_channel_qweight(linear.weight), bias, timed_rows(x).float(), reduce_range,
+                               engines, clock or time.perf_counter)
     return _chosen[key]
 
 
 def timed_rows(x: object) -> object:
-    """What of a Linear's recorded input the choice reads: its first MAX_ROWS rows, as rows of one matrix (the
-    same key and the same rows timed as the whole input); anything but a floating tensor as it is."""
+    """What of a Linear's recorded input the choice reads: a copy of its first MAX_ROWS rows, as rows of one
+    matrix (the same key and the same rows timed as the whole input); anything without rows of floats as it is."""
+    return x.detach().reshape(-1, x.shape[-1])[:MAX_ROWS].clone() if _row_count(x) else x
+
+
+def _row_count(x: object) -> int:
+    """The rows of `x` the choice times; 0 where it is no floating tensor, or holds none."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.numel() == 0:
-        return x
-    return x.detach().reshape(-1, x.shape[-1])[:MAX_ROWS].clone()
+        return 0
+    return min(x.numel() // x.shape[-1], MAX_ROWS)
 
 
 def _faster(qweight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor, reduce_range: bool,
