@@ -1973,3 +1973,32 @@ def test_a_study_names_compile_cache_folder_lies_under_the_cache_root_whatever_t
     from autotune.engines import CompileCache
     folder = CompileCache.for_study(str(tmp_path / "root"), study_name, "built").folder
     assert folder.resolve().parent.parent == (tmp_path / "root").resolve(), folder
+
+
+class _FirstTokenEncoder(nn.Module):
+    """nn.TransformerEncoder over padded sequences, read at the first position (never padded)."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+
+    def forward(self, x, padding_mask):
+        return self.encoder(x, src_key_padding_mask=padding_mask)[:, 0]
+
+
+def test_the_lowp_engine_keeps_an_attention_island_off_the_encoder_s_fused_path():
+    """In eval the encoder hands its layers nested tensors, and a layer whose attention stays fp32 (an island in a
+    bf16 model) leaves the fused path and calls it with them: "MultiheadAttention does not support NestedTensor
+    outside of its fast path", and the lowp engine was dropped for the model."""
+    torch.manual_seed(0)
+    model = _FirstTokenEncoder().eval()
+    x, mask = torch.randn(4, 10, 32), torch.arange(10)[None] >= torch.tensor([10, 6, 8, 3])[:, None]
+    plan = {"encoder.layers.0.self_attn": "fp32", "encoder.layers.0.linear1": "bf16",
+            "encoder.layers.1.self_attn": "bf16", "encoder.layers.1.linear2": "bf16"}
+    built = get_engine("lowp").build(model, plan, Calibration([((x, mask), {})], {}))
+    with torch.no_grad():
+        out, reference = built(x, mask), model(x, mask)
+    assert out.dtype == torch.float32 and built.encoder.layers[0].self_attn.in_proj_weight.dtype == torch.float32
+    assert built.encoder.layers[1].self_attn.in_proj_weight.dtype == torch.bfloat16
+    assert torch.allclose(out, reference, atol=0.1), (out - reference).abs().max()

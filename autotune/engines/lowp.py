@@ -15,6 +15,7 @@ from torch import nn
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
 from autotune.engines.base import Calibration, compile_runnable, hooks_on_it_unsaved, how_to_compile, save_module
+from autotune.fused_paths import calls_children_as_modules
 from autotune.model_call import STATE_DTYPE, entry_paths
 from autotune.plan import Plan
 from autotune.tree import map_tensors
@@ -64,13 +65,16 @@ class LowPrecisionEngine:
         setattr(model, STATE_DTYPE, low)       # generate's KV cache: what its own calls computed, in `low`
         for path in entry_paths(calibration.batches):
             _cast_at_edges(model.get_submodule(path), low, torch.float32)   # generate's encoder, called apart
-        for name, dtype in plan.items():
-            if dtype == "fp32":
-                # A copy of the fp32 module, its weights never rounded and its own: one tied to a module in the low
-                # dtype (an LM head sharing the embedding's weight) stays fp32 here and low there.
-                island = clone(fp32.get_submodule(name))
-                model.set_submodule(name, island)
-                _cast_at_edges(island, torch.float32, low)
+        islands = [name for name, dtype in plan.items() if dtype == "fp32"]
+        for name in islands:
+            # A copy of the fp32 module, its weights never rounded and its own: one tied to a module in the low
+            # dtype (an LM head sharing the embedding's weight) stays fp32 here and low there.
+            island = clone(fp32.get_submodule(name))
+            model.set_submodule(name, island)
+            _cast_at_edges(island, torch.float32, low)
+        # A transformer encoder's fused path bypasses an island (its kernel reads the weights) or hands it nested
+        # tensors, which an fp32 MultiheadAttention off that path refuses.
+        calls_children_as_modules(model, islands)
         return model
 
     def runnable(self, built: nn.Module) -> nn.Module:
