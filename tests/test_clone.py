@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from autotune.clone import clone
+from autotune.clone import clone, clone_sharing_weights
 
 
 class Tied(nn.Module):
@@ -102,3 +102,19 @@ def test_a_weight_computed_with_autograd_on_is_copied_by_its_value():
     with torch.no_grad():
         assert torch.equal(twin(x), model[2](torch.relu(torch.zeros(3, 8) + model[0].bias)))
         assert not torch.equal(model(x), twin(x))
+
+
+def test_a_copy_sharing_weights_holds_the_same_parameters_and_buffers_of_its_own():
+    """The signals' working copy of a big model no longer costs its weights again: its modules are its own (a module
+    replaced in it is not replaced in the original), its parameters the original's, tied ones still tied."""
+    torch.manual_seed(0)
+    original = Tied()
+    copied = clone_sharing_weights(original)
+    assert copied.encoder is not original.encoder and copied.encoder.weight is original.encoder.weight
+    assert copied.decoder.weight is copied.encoder.weight and copied.encoder.bias is original.encoder.bias
+    assert copied.scale is not original.scale and torch.equal(copied.scale, original.scale)
+    copied.scale.add_(1.0)                     # a forward that moves a buffer moves the copy's alone
+    copied.encoder = nn.Identity()
+    assert float(original.scale) == 2.0 and isinstance(original.encoder, nn.Linear)
+    x = torch.randn(2, 6)
+    assert torch.allclose(clone_sharing_weights(original)(x), original(x))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import CallInputs
-from autotune.clone import clone
+from autotune.clone import clone_sharing_weights
 from autotune.discovery import shared_dtypes, unit_name, units_of
 from autotune.errors import describe
 from autotune.fused_paths import calls_children_as_modules
@@ -55,7 +55,7 @@ def module_sensitivity(model: nn.Module, candidates: dict[str, list[str]], input
     variance, so the group's is the one measured, and it costs one forward of the model instead of one per member.
     What runs before a unit is answered from the reference forward (autotune.measure.prefix), not run again.
     """
-    work = clone(model).eval()
+    work = clone_sharing_weights(model).eval()
     calls_children_as_modules(work, candidates)   # as in the lowered models compared with it
     errors: dict[str, dict[str, float]] = {name: {"fp32": 0.0} for name in candidates}
     units = [members for members in units_of(candidates, list(groups)).values()
