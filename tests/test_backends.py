@@ -1,5 +1,6 @@
 import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -123,6 +124,48 @@ def test_a_lowered_module_answers_what_parents_read_of_it(dtype):
     assert type(wrapped) is type(lowered_linear)   # copying is the wrapper's own, not its inner module's
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         assert lowered_linear.no_such_thing is None
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    """A parent casting its input to its child's weight dtype, as HF ViT does with its patch projection's."""
+
+    def __init__(self, child: nn.Module):
+        super().__init__()
+        self.child = child
+
+    def forward(self, x):
+        return self.child(x.to(self.child.weight.dtype))
+
+
+class _Notes(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_an_int8_module_s_weight_read_in_a_compiled_forward_logs_nothing_and_computes_the_same():
+    """dynamo has no fake kernel for packed weights: a parent reading an int8 child's weight in a compiled forward
+    logged torch's "Encountered exception (quantized nyi in meta tensors) during fake tensor propagation"."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    model = _ReadsItsChildsWeight(get_backend("int8").apply(nn.Conv2d(3, 8, 3), ((x,), {}))).eval()
+    with torch.inference_mode():
+        expected = model(x)
+    model.child.__dict__.pop("_float_weight")       # as a model built for compiling holds it: never read yet
+    notes = _Notes()
+    dynamo = logging.getLogger("torch._dynamo")
+    dynamo.addHandler(notes)
+    try:
+        torch.compiler.reset()
+        with torch.inference_mode():
+            compiled = torch.compile(model, backend="eager")(x)
+    finally:
+        dynamo.removeHandler(notes)
+    assert not [m for m in notes.messages if "fake tensor propagation" in m], notes.messages
+    assert torch.equal(compiled, expected)
 
 
 @pytest.mark.parametrize("dtype,bound", [("int8", 5e-2), ("bf16", 2e-2)])

@@ -200,5 +200,12 @@ class PackedInt8(Int8Kernels):
     @property
     def weight(self) -> torch.Tensor:
         if "_float_weight" not in self.__dict__:
-            self.__dict__["_float_weight"] = self._unpack().dequantize().to(self.float_dtype)
+            self._dequantize_weight()
         return self.__dict__["_float_weight"]
+
+    # Run eagerly under torch.compile: dynamo has no fake kernel for packed weights, and a parent reading the weight
+    # in a compiled forward (HF ViT reads its patch projection's `weight.dtype`) logged "Encountered exception
+    # (quantized nyi in meta tensors) during fake tensor propagation" at the first call of each graph.
+    @torch.compiler.disable
+    def _dequantize_weight(self) -> None:
+        self.__dict__["_float_weight"] = self._unpack().dequantize().to(self.float_dtype)
