@@ -30,16 +30,13 @@ def clone(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
     return copy_module_state(module, memo)
 
 
-def clone_sharing_weights(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+def clone_sharing_weights(module: nn.Module) -> nn.Module:
     """A copy of `module` as `clone` makes it, but holding the same parameters: for a working copy that the tuner
     calls and changes the modules of, never the weights (the signals' copy, where one module at a time is swapped
     for its lowered form). Copying the weights cost their size again at the peak of the signals. Buffers, which
     some forwards move, are still copied. Not for models handed to eval_fn: one that casts or edits its model in
     place would change the fp32 weights every later plan is built from."""
-    memo = {} if memo is None else memo
-    for parameter in module.parameters():
-        memo.setdefault(id(parameter), parameter)
-    return clone(module, memo)
+    return clone(module, {id(parameter): parameter for parameter in module.parameters()})
 
 
 def copy_module_state(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
