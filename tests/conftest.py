@@ -1,3 +1,4 @@
+import logging
 from contextlib import contextmanager
 
 import pytest
@@ -66,6 +67,19 @@ def postgres(postgres_server, request):
         connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
     admin.dispose()
     return postgres_server.replace("/postgres?", f"/{name}?", 1)
+
+
+@contextmanager
+def logged_by(name: str):
+    """The records logger `name` gets while the block runs (torch's loggers do not propagate to caplog's)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger(name).removeHandler(handler)
 
 
 @contextmanager

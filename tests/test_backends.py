@@ -1,10 +1,9 @@
 import copy
 import io
-import logging
 
 import pytest
 import torch
-from conftest import Conv1D, needs_cuda
+from conftest import Conv1D, logged_by, needs_cuda
 from torch import nn
 from torch.nn.utils import prune
 
@@ -137,15 +136,6 @@ class _ReadsItsChildsWeight(nn.Module):
         return self.child(x.to(self.child.weight.dtype))
 
 
-class _Notes(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_an_int8_module_s_weight_read_in_a_compiled_forward_logs_nothing_and_computes_the_same():
     """dynamo has no fake kernel for packed weights: a parent reading an int8 child's weight in a compiled forward
     logged torch's "Encountered exception (quantized nyi in meta tensors) during fake tensor propagation"."""
@@ -155,16 +145,11 @@ def test_an_int8_module_s_weight_read_in_a_compiled_forward_logs_nothing_and_com
     with torch.inference_mode():
         expected = model(x)
     model.child.__dict__.pop("_float_weight")       # as a model built for compiling holds it: never read yet
-    notes = _Notes()
-    dynamo = logging.getLogger("torch._dynamo")
-    dynamo.addHandler(notes)
-    try:
-        torch.compiler.reset()
-        with torch.inference_mode():
-            compiled = torch.compile(model, backend="eager")(x)
-    finally:
-        dynamo.removeHandler(notes)
-    assert not [m for m in notes.messages if "fake tensor propagation" in m], notes.messages
+    torch.compiler.reset()
+    with logged_by("torch._dynamo") as notes, torch.inference_mode():
+        compiled = torch.compile(model, backend="eager")(x)
+    messages = [record.getMessage() for record in notes]
+    assert not [m for m in messages if "fake tensor propagation" in m], messages
     assert torch.equal(compiled, expected)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import Conv1D, HalfCostMeasurer, is_compiled
+from conftest import Conv1D, HalfCostMeasurer, is_compiled, logged_by
 from conftest import fidelity as fidelity_on
 from torch import nn
 
@@ -429,15 +429,9 @@ def test_a_compiled_finalist_may_compile_again_within_its_evaluation_beyond_the_
 
 def test_a_model_export_cannot_trace_falls_back_to_eager_with_the_reason_on_the_study(tmp_path, capsys):
     model = Branchy().eval()
-    said = []     # what torch's symbolic shapes log (torch's loggers do not propagate to caplog's)
-    handler = logging.Handler()
-    handler.emit = said.append
-    logging.getLogger("torch.fx.experimental.symbolic_shapes").addHandler(handler)
-    try:
+    with logged_by("torch.fx.experimental.symbolic_shapes") as said:
         result = autotune(model, config(tmp_path), fidelity(model), batches(1)[0][0][0],
                           measurer=CompiledIsFaster())
-    finally:
-        logging.getLogger("torch.fx.experimental.symbolic_shapes").removeHandler(handler)
     assert not [r for r in said if r.levelno >= logging.WARNING]
     assert result.engine == "eager" and "int8" in result.plan.values()
     dropped = result.study.user_attrs["autotune.engines_dropped"]
@@ -1225,14 +1219,8 @@ def test_a_compile_cache_file_that_cannot_be_read_is_built_again_and_replaced(tm
     cache, model, plan = CompileCache(tmp_path), mlp(), {"0": "int8", "2": "fp32", "4": "int8"}
     kept = tmp_path / f"compiled-{plan_id(plan)}.built"
     kept.write_bytes(b"cut short")
-    torch_export_said = []     # what torch.export logs (torch's loggers do not propagate to caplog's)
-    handler = logging.Handler()
-    handler.emit = torch_export_said.append
-    logging.getLogger("torch.export").addHandler(handler)
-    try:
+    with logged_by("torch.export") as torch_export_said:
         built = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
-    finally:
-        logging.getLogger("torch.export").removeHandler(handler)
     assert "cannot read" in caplog.text and weight_of_each_linear(built) == plan
     assert torch_export_said == []    # said in that one line, not after torch.export's traceback
     reread = cache.build(CompiledEngine(), model, plan, Calibration(batches(), {}), batches(1)[0])
