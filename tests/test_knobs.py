@@ -282,6 +282,48 @@ def test_a_finalist_and_its_twin_with_a_knob_that_keeps_every_value_cost_one_eva
     assert max(calls.count(plan) for plan in set(calls)) == 2   # a plan's trial, then one re-evaluation at most
 
 
+def patch_embedded() -> nn.Module:
+    """A ViT's shape: one patch convolution, then Linears that take most of the time."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Flatten(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4)).eval()
+
+
+class ConvCosts(ChannelsLastIsFastest):
+    """The convolution timed alone at `conv_ms` in fp32, each Linear at 10 ms; a finalist with channels_last would
+    race fastest."""
+
+    def __init__(self, names, conv_ms: float):
+        super().__init__(names)
+        self.conv_ms = conv_ms
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        scale = {name: self.conv_ms if isinstance(fp32.get_submodule(name), nn.Conv2d) else 10.0
+                 for name in candidates}
+        return {name: {d: scale[name] * (1.0 if d == "fp32" else 0.5) for d in dtypes}
+                for name, dtypes in candidates.items()}
+
+
+@pytest.mark.parametrize("conv_ms, tried", [(0.5, False), (2.0, True)])
+def test_channels_last_is_tried_only_where_the_convolutions_take_a_share_of_the_time_worth_racing(
+        tmp_path, conv_ms, tried):
+    """A ViT's patch convolution took 3 % of its modules' time, and channels_last cost four finalists (25 s of a
+    220 s run) that raced no faster: under 5 % the knob is not tried, and the study says why."""
+    model, x = patch_embedded(), torch.randn(2, 3, 8, 8)
+    config = TuningConfig(engines=["eager"], knobs=["channels_last"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
+                          max_trials=3, storage=f"sqlite:///{tmp_path}/v.db", study_name="vit")
+    result = autotune(model, config, fidelity(model, x), x, measurer=ConvCosts(["0", "2", "4"], conv_ms))
+    attrs = result.study.user_attrs
+    knobbed = [name for name in attrs["autotune.finalist_setup_s"] if name.endswith(" +channels_last")]
+    if tried:
+        assert knobbed and result.knobs == ("channels_last",) and attrs["autotune.knobs_not_tried"] == {}
+    else:
+        assert not knobbed and result.knobs == ()
+        assert attrs["autotune.knobs_not_tried"] == {"channels_last": (
+            "its Conv2d modules take 2.4 % of the timed modules' fp32 time, too little to gain from (under 5 %)")}
+
+
 def test_a_plan_file_naming_an_unknown_knob_is_refused(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"plan": {"0": "fp32"}, "engine": "eager", "knobs": ["turbo"]}))

@@ -29,6 +29,10 @@ class Knob(Protocol):
     # Whether it leaves every value the model computes as it was, to rounding (a memory layout, a replay of the same
     # kernels): a finalist with it then scores as the one without it does (verified_winner evaluates one of them).
     keeps_values: ClassVar[bool]
+    # The module types whose time it can change, where that is all it changes (a convolution's layout); () where it
+    # reaches the whole model. The tuner tries it only where those take a share of the timed modules' fp32 time
+    # that the finalists' race could tell apart.
+    acts_on: ClassVar[tuple[type[nn.Module], ...]]
 
     def supports(self, model: nn.Module) -> str | None:
         """Why this knob does nothing for `model`, or None where it applies."""
@@ -51,6 +55,7 @@ class ChannelsLast:
     name: str = "channels_last"
     engines: ClassVar[tuple[str, ...] | None] = None
     keeps_values: ClassVar[bool] = True
+    acts_on: ClassVar[tuple[type[nn.Module], ...]] = (nn.Conv2d,)
 
     def supports(self, model: nn.Module) -> str | None:
         return None if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "the model has no Conv2d"
@@ -79,6 +84,7 @@ class FoldBatchNorm:
     name: str = "fold_bn"
     engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor", "lowp")
     keeps_values: ClassVar[bool] = False
+    acts_on: ClassVar[tuple[type[nn.Module], ...]] = ()
 
     def supports(self, model: nn.Module) -> str | None:
         if not any(isinstance(m, BATCH_NORMS) for m in model.modules()):
@@ -149,6 +155,7 @@ class Autocast:
     name: str = "autocast"
     engines: ClassVar[tuple[str, ...] | None] = ("eager", "inductor")
     keeps_values: ClassVar[bool] = False
+    acts_on: ClassVar[tuple[type[nn.Module], ...]] = ()
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
@@ -185,6 +192,7 @@ class TF32:
     name: str = "tf32"
     engines: ClassVar[tuple[str, ...] | None] = None
     keeps_values: ClassVar[bool] = False
+    acts_on: ClassVar[tuple[type[nn.Module], ...]] = ()
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
@@ -212,6 +220,7 @@ class CudaGraphs:
     name: str = "cuda_graphs"
     engines: ClassVar[tuple[str, ...] | None] = ("inductor", "lowp")
     keeps_values: ClassVar[bool] = True
+    acts_on: ClassVar[tuple[type[nn.Module], ...]] = ()
 
     def supports(self, model: nn.Module) -> str | None:
         device = device_of(model)
