@@ -1193,6 +1193,33 @@ def test_a_new_study_of_another_model_of_the_class_builds_its_own_finalists(tmp_
     assert len(list((tmp_path / "cache" / "engines").iterdir())) == 2
 
 
+def test_a_new_study_of_a_model_whose_code_was_edited_builds_its_own_finalists(tmp_path, monkeypatch):
+    """The same weights under edited code (a user fixing the model's forward, then tuning it afresh): the compile
+    cache handed back the finalists built from the old code, its exported graph computing the old forward."""
+    def net_class(activation: str) -> type[nn.Module]:
+        folder = tmp_path / activation
+        folder.mkdir()
+        (folder / "edited_net.py").write_text(
+            "import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+            "        super().__init__()\n        torch.manual_seed(0)\n"
+            "        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 8)\n\n"
+            f"    def forward(self, x):\n        return self.b(torch.{activation}(self.a(x)))\n")
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.delitem(sys.modules, "edited_net", raising=False)
+        return __import__("edited_net").Net
+
+    x = batches(1)[0][0][0]
+    old = net_class("relu")().eval()
+    first = autotune(old, config(tmp_path), fidelity(old), x, measurer=CompiledIsFaster())
+    edited = net_class("tanh")().eval()
+    again = autotune(edited, config(tmp_path, storage=f"sqlite:///{tmp_path}/new.db"), fidelity(edited), x,
+                     measurer=CompiledIsFaster())
+    assert first.engine == again.engine == "compiled" and type(edited) is not type(old)
+    with torch.no_grad():
+        assert (again.model(x) - edited(x)).abs().max() < 0.1 < (edited(x) - old(x)).abs().max()
+    assert len(list((tmp_path / "cache" / "engines").iterdir())) == 2
+
+
 def test_only_the_compiled_engines_graphs_get_torchaos_pre_grad_pass(tmp_path):
     """Importing torchao's quantizer sets inductor's pre-grad pass for the whole process, and a compiled model keeps
     a copy of the config it was compiled under: an inductor model saved after a compiled-engine build named

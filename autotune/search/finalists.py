@@ -184,7 +184,7 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
 def _compile_cache(runner: TrialRunner, compiling: bool) -> CompileCache:
     """The study's compile cache (none where no engine compiles), its compiler artefacts loaded."""
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
-                                   studies.built_from(runner.study, runner.batches))
+                                   studies.built_from(runner.study, runner.fp32, runner.batches))
     cache.load_compiler_artefacts()
     return cache
 

@@ -7,6 +7,7 @@ are trial user attributes, so `optuna.load_study` reads them as is.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -72,13 +73,28 @@ def _sums(value: torch.Tensor) -> list[float]:
     return [values.abs().sum().item(), values.square().sum().item()]
 
 
-def built_from(study: optuna.Study, batches: Any) -> str:
-    """What a finalist built for `study` holds besides its plan, as a short hash: the model's weights and the
-    batches static int8 is calibrated on. A compile cache keyed by the study's name alone hands a new study of
-    another model of the same class (a new storage, or the old database deleted) the old model's finalists."""
+def built_from(study: optuna.Study, model: torch.nn.Module, batches: Any) -> str:
+    """What a finalist built for `study` holds besides its plan, as a short hash: the model's weights, the code of
+    its modules' classes and the batches static int8 is calibrated on. A compile cache keyed by the study's name
+    alone hands a new study of another model of the same class (a new storage, or the old database deleted) the
+    old model's finalists; keyed without the code, a model whose forward was edited got its old exported graph
+    back, or its old attributes under the new code ("object has no attribute")."""
     inputs = [[list(t.shape), str(t.dtype), *_sums(t)] for t in tensors(batches)]
-    text = json.dumps([get_attr(study, "weights"), inputs], sort_keys=True)
+    text = json.dumps([get_attr(study, "weights"), _code_of(model), inputs], sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _code_of(model: torch.nn.Module) -> list[str]:
+    """The source of each class among the model's modules (its name where Python keeps no source: a class made in
+    a notebook cell or by `type`)."""
+    found = {}
+    for cls in {type(module) for module in model.modules()}:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        try:
+            found[name] = inspect.getsource(cls)
+        except (OSError, TypeError):
+            found[name] = name
+    return [found[name] for name in sorted(found)]
 
 
 def same_weights(one: dict[str, list[float]], other: dict[str, list[float]]) -> bool:
