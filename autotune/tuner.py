@@ -31,6 +31,7 @@ from autotune.discovery import (
     unlowerable,
     untuned_weights,
 )
+from autotune.engines import COMPILE_STATIC
 from autotune.engines.knobs import BATCH_NORMS
 from autotune.engines.quiet import library_notes_dropped
 from autotune.errors import ConfigError, EvalFunctionError, NoTunableModulesError, describe, listed
@@ -461,6 +462,8 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None,
         studies.set_attr(study, "best", {"plan": winner.plan, "accuracy": winner.accuracy, "engine": winner.engine,
                                          "speedup": 1.0 / winner.ratio, "setup_s": round(winner.setup_s, 3),
                                          "knobs": list(winner.knobs), "finalist": winner.name,
+                                         **({"compile_static": True} if getattr(winner.model, COMPILE_STATIC, False)
+                                            else {}),
                                          "speedup_by_shape": {shape.name: shape.speedup for shape in shapes},
                                          studies.BEST_RECORDED_WITH: recorded_with,
                                          **({NOISE_KEY: max(noisy.values())} if noisy else {}),

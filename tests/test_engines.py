@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import Conv1D, HalfCostMeasurer, is_compiled, logged_by
+from conftest import Conv1D, HalfCostMeasurer, export_then_apply, is_compiled, logged_by
 from conftest import fidelity as fidelity_on
 from torch import nn
 
@@ -1685,7 +1685,7 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
     from types import SimpleNamespace
 
     from autotune.measure.shapes import Shape
-    from autotune.search.finalists import Finalist, _settled
+    from autotune.search.finalists import BuildLimits, Finalist, _settled
 
     def finalist(model, compiled=True):
         runnable = compile_model(model) if compiled else model
@@ -1695,12 +1695,18 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
 
     x = torch.randn(4, 8)
     found = {"settles": finalist(SecondCallDiffers()), "breaks": finalist(SecondCallDiffers(fails_later=True)),
+             "breaks too": finalist(SecondCallDiffers(fails_later=True)),
              "eager": finalist(SecondCallDiffers(), compiled=False)}
-    with caplog.at_level(logging.WARNING, logger="autotune"):
+    limits = BuildLimits(None)
+    with caplog.at_level(logging.INFO, logger="autotune"):
         runner = SimpleNamespace(shapes=[Shape("example", ((x,), {}), 1.0)], study=SimpleNamespace(user_attrs={}))
-        kept = _settled(found, runner)   # a study whose eval_fn's grad mode is not known: inference_mode
+        kept = _settled(found, runner, limits)   # a study whose eval_fn's grad mode is not known: inference_mode
     assert set(kept) == {"settles", "eager"}
-    assert "breaks is left out: a call after its first failed: ValueError: only the first call works" in caplog.text
+    failed = "a call after its first failed: ValueError: only the first call works"
+    # compiled for each shape apart once, failing too; not again for the engine's next finalist
+    assert f"breaks is left out: {failed}; compiled for each shape apart: ValueError" in caplog.text
+    assert f"breaks too is left out: {failed}\n" in caplog.text and limits.static == {"inductor": False}
+    assert caplog.text.count("compiling it again for each shape apart") == 1
     assert kept["settles"].setup_s > 1.0 and kept["eager"].setup_s == 1.0   # eager code is not called again
     with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
         kept["settles"].runnable(x)   # the race's calls compile nothing
@@ -1708,6 +1714,70 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
     with pytest.raises(RuntimeError, match="recompile"), torch.inference_mode(), \
             torch.compiler.set_stance("fail_on_recompile"):
         unsettled.runnable(x)   # what the race met before
+
+
+@torch.library.custom_op("autotune_tests::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@doubled.register_fake
+def _doubled_shapes(x):
+    """Sizes only where each is known: the fake kernel of an op that cannot take sizes that vary (inductor's
+    convolution lowering on CvT raised "ValueRangeError: Invalid ranges" there)."""
+    if not all(isinstance(size, int) for size in x.shape):
+        raise RuntimeError("doubled: no kernel for sizes that vary")
+    return torch.empty_like(x)
+
+
+class WithDoubled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(doubled(torch.relu(self.a(x))))
+
+
+def with_doubled() -> nn.Module:
+    return WithDoubled().eval()
+
+
+def doubled_inputs() -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+
+class LoweredIsFaster(HalfCostMeasurer):
+    """Each module lowered costs half its fp32 time alone; any model but fp32 runs at half its time."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        return {name: LatencyStats(10.0 if name == "fp32" else 5.0, 0.0, repeats) for name in models}
+
+
+def test_a_model_that_compiles_only_for_fixed_sizes_is_compiled_shape_by_shape(tmp_path, caplog):
+    """Timed at two batch sizes, the second call of a compiled model compiles it for a dynamic batch; where that
+    fails, the finalist is compiled for each shape apart, and so are the engine's later finalists from the start
+    (CvT: every inductor and lowp finalist failed so, at a minute a compile, and plain torch.compile of it too)."""
+    model, x = with_doubled(), doubled_inputs()
+    config = TuningConfig(engines=["eager", "inductor"], config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]),
+                          tolerable_loss=0.5, max_trials=2, storage=f"sqlite:///{tmp_path}/s.db", study_name="s",
+                          compile_cache=str(tmp_path / "cache"),
+                          latency_inputs=[{"batch": 8}, {"batch": 4}])   # batch 1 compiles for its own size
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, fidelity_on(model, x), x, measurer=LoweredIsFaster())
+    retried = [r.message for r in caplog.records if "compiling it again for each shape apart" in r.message]
+    assert len(retried) == 1 and "doubled: no kernel for sizes that vary" in retried[0], retried
+    built = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(inductor)" in name]
+    assert "fp32 (inductor)" in built and len(built) >= 2, built
+    assert result.engine == "inductor", result.engine
+    with torch.no_grad():   # a batch size of its own: compiled for it too
+        assert torch.allclose(result.model(x[:3]), model(x[:3]), atol=0.1)
+    assert result.study.user_attrs["autotune.best"]["compile_static"] is True
+    saved, output = export_then_apply(tmp_path, "s", config.storage, "test_engines:with_doubled",
+                                      "test_engines:doubled_inputs")
+    assert saved["compile_static"] is True and "torch.compile(torch.load(path, weights_only=False), dynamic=False)" \
+        in output, output
 
 
 def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_path, monkeypatch):

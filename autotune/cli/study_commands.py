@@ -35,6 +35,7 @@ from autotune.config.file import load_yaml, yaml_error
 from autotune.discovery import search_candidates, uncompiled
 from autotune.engines import (
     CALLS_ITSELF,
+    COMPILE_STATIC,
     ENGINES,
     ENTRIES,
     KNOBS,
@@ -281,6 +282,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None, tria
         for doubt in (NOISE_KEY, BUSY_KEY):    # how far off the speedup may be: its timing was noisy, or busy
             if doubt in best:
                 data[doubt] = best[doubt]
+        if best.get("compile_static"):
+            data["compile_static"] = True
     if compiled_in_place(study):    # eval_fn ran it through generate, or called its encoder apart
         data["compile_in_place"] = True
     # For `bench`, which times what tuning timed: the config's shapes, or the calls a generation was timed at.
@@ -319,9 +322,10 @@ def _written(data: dict, fmt: str | None, out: str | None) -> None:
         click.echo(text, nl=False)
 
 
-# What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place and latency_inputs.
+# What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place, compile_static and
+# latency_inputs.
 PLAN_FILE_KEYS = ("study", "trial", "baseline_accuracy", "accuracy", "speedup", "speedup_predicted", "engine", "knobs",
-                  "plan", NOISE_KEY, BUSY_KEY, "compile_in_place", "latency_inputs")
+                  "plan", NOISE_KEY, BUSY_KEY, "compile_in_place", "compile_static", "latency_inputs")
 
 
 @dataclass(frozen=True)
@@ -331,6 +335,7 @@ class SavedPlan:
     knobs: tuple[str, ...]
     compile_in_place: bool
     latency_inputs: list[LatencyInput]    # the calls tuning timed where its config named none (a generation's)
+    compile_static: bool = False          # compiled for each shape apart, as tuning had to (engines.COMPILE_STATIC)
 
 
 def read_plan(path: str) -> SavedPlan:
@@ -358,7 +363,8 @@ def read_plan(path: str) -> SavedPlan:
         timed = [LatencyInput.model_validate(entry) for entry in exported.get("latency_inputs") or []]
     except ValidationError as exc:
         raise CliError(f"{path}: latency_inputs: {exc.errors()[0]['msg']}") from None
-    return SavedPlan(plan, engine, tuple(knobs), exported.get("compile_in_place") is True, timed)
+    return SavedPlan(plan, engine, tuple(knobs), exported.get("compile_in_place") is True, timed,
+                     exported.get("compile_static") is True)
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
@@ -446,6 +452,8 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
     calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
     built = realise(with_knobs(model, knobs), plan, engine, calibration)
+    if saved.compile_static:
+        setattr(built, COMPILE_STATIC, True)
     return AppliedPlan(plan, engine, knobs, saved.latency_inputs, model, built, batches)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from autotune.engines.base import (
     CALLS_ITSELF,
+    COMPILE_STATIC,
     ENTRIES,
     Calibration,
     Engine,
@@ -55,6 +56,6 @@ def get_engine(name: str) -> Engine:
         raise KeyError(f"no engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
-__all__ = ["CALLS_ITSELF", "ENTRIES", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine", "Engine",
-           "EngineUnavailable", "ENGINES", "compile_model", "InductorEngine", "KNOBS", "Knob", "LowPrecisionEngine",
-           "get_engine", "realise", "why_not_written", "with_knobs"]
+__all__ = ["CALLS_ITSELF", "COMPILE_STATIC", "ENTRIES", "Calibration", "CompileCache", "CompiledEngine", "EagerEngine",
+           "Engine", "EngineUnavailable", "ENGINES", "compile_model", "InductorEngine", "KNOBS", "Knob",
+           "LowPrecisionEngine", "get_engine", "realise", "why_not_written", "with_knobs"]

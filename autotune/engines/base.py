@@ -21,6 +21,10 @@ from autotune.plan import Plan
 # plans applied after it and torch.save), and compiling engines read it in `runnable`. A mark rather than an engine
 # option: the engines are stateless singletons, and a finalist's knobs live with its model, as the others' do.
 COMPILE_MODE = "autotune_compile_mode"
+# The mark of a model compiled for each input shape apart (`dynamic=False`), set where compiling it for sizes that
+# vary failed: inductor's convolution lowering raised "ValueRangeError: Invalid ranges" on CvT, whose blocks run at
+# three spatial sizes (plain torch.compile of it failed so too), and compiles it shape by shape.
+COMPILE_STATIC = "autotune_compile_static"
 
 
 # Dynamo keeps compiled entries per code object, and models of one class share their forward code: a plain MNIST
@@ -127,18 +131,24 @@ def _parametrized(module: nn.Module) -> bool:
 
 
 def compile_runnable(built: nn.Module) -> nn.Module:
-    """`built` under torch.compile, in the mode its knobs marked it with (default: torch.compile's own)."""
-    return compile_model(built, getattr(built, COMPILE_MODE, None))
+    """`built` under torch.compile, in the mode its knobs marked it with (default: torch.compile's own), for each
+    shape apart where it is so marked (COMPILE_STATIC)."""
+    return compile_model(built, getattr(built, COMPILE_MODE, None), dynamic=_dynamic(built))
+
+
+def _dynamic(built: nn.Module) -> bool | None:
+    return False if getattr(built, COMPILE_STATIC, False) else None
 
 
 def how_to_compile(loaded: str, built: nn.Module) -> str:
     """How a user compiles what `save` wrote (`loaded`: the expression that loads it) as `runnable` does."""
-    mode = getattr(built, COMPILE_MODE, None)
+    mode, dynamic = getattr(built, COMPILE_MODE, None), _dynamic(built)
+    options = ", ".join(([f"mode={mode!r}"] if mode else []) + ([f"dynamic={dynamic}"] if dynamic is not None else []))
     if getattr(built, CALLS_ITSELF, False):
-        how = f".compile({f'mode={mode!r}' if mode else ''})"
+        how = f".compile({options})"
         entries = "".join(f"; model.get_submodule({path!r}){how}" for path in getattr(built, ENTRIES, ()))
         return f"model = {loaded}; model{how}{entries}"
-    return f"torch.compile({loaded}, mode={mode!r})" if mode else f"torch.compile({loaded})"
+    return f"torch.compile({loaded}{', ' if options else ''}{options})"
 
 
 class EngineUnavailable(AutotuneError):
@@ -158,6 +168,7 @@ class Engine(Protocol):
     name: str
     keeps_model: bool    # whether what runs is the model's own class, its methods (generate) reaching the plan
     lowers_unplanned: bool   # whether modules outside the plan run in its low dtype too (lowp: the whole model)
+    compiles_static_when_marked: bool   # whether `runnable` compiles a model marked COMPILE_STATIC shape by shape
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         """Why this engine cannot realise `plan` on the model `fp32`, or None if it can."""

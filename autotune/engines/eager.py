@@ -16,6 +16,7 @@ class EagerEngine:
     name: str = "eager"
     keeps_model: bool = True
     lowers_unplanned: bool = False
+    compiles_static_when_marked: bool = False
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         return None

@@ -15,6 +15,7 @@ from autotune.engines.eager import EagerEngine
 @dataclass(frozen=True)
 class InductorEngine(EagerEngine):
     name: str = "inductor"
+    compiles_static_when_marked: bool = True
 
     def runnable(self, built: nn.Module) -> nn.Module:
         return compile_runnable(built)

@@ -47,6 +47,7 @@ class LowPrecisionEngine:
     name: str = "lowp"
     keeps_model: bool = True
     lowers_unplanned: bool = True
+    compiles_static_when_marked: bool = True
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         lowered = set(plan.values()) - {"fp32"}

@@ -199,6 +199,7 @@ class CompiledEngine:
     name: str = "compiled"
     keeps_model: bool = False   # an exported graph: the model's methods are not on it
     lowers_unplanned: bool = False
+    compiles_static_when_marked: bool = False   # frozen.py compiles per shape where a dynamic batch fails
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         other = sorted(set(plan.values()) - REALISED)

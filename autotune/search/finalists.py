@@ -16,6 +16,7 @@ from autotune.backends.base import hooked_modules
 from autotune.capture import without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
+    COMPILE_STATIC,
     ENTRIES,
     KNOBS,
     Calibration,
@@ -73,10 +74,14 @@ class BuildLimits:
     transformer's second pt2e finalist, begun 5 s before a 240 s timeout, ended 138 s past it). Per engine: one
     engine's compiles say little of another's (a neural ODE's pt2e finalist, its solver loop unrolled by export,
     compiled in 138 s; plain torch.compile of it in 23 s). And the memory left (`memory`, None: not watched): every
-    finalist stays alive until the race, and none starts where what is left is less than a build took."""
+    finalist stays alive until the race, and none starts where what is left is less than a build took. What the
+    run's compiles said of sizes that vary (`static`, {engine: whether compiling shape by shape then worked}): an
+    engine whose compile for them failed compiles its later finalists shape by shape from the start (on CvT each
+    failed compile took a minute), or, where that failed too, never tries it again."""
     at: float | None
     memory: BuildMemory | None = None
     longest_s: dict[str, float] = field(default_factory=dict)
+    static: dict[str, bool] = field(default_factory=dict)
 
     def stop_reason(self, engine: str) -> str | None:
         """Why no finalist of `engine` starts now, or None."""
@@ -152,14 +157,14 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     for build in builds:
         if build.built:
-            found.update(built := _settled(build.built, runner))
+            found.update(built := _settled(build.built, runner, limits))
             engine_knobs = [name for name in knobs
                             if KNOBS[name].engines is None or build.engine.name in KNOBS[name].engines]
             if engine_knobs and built:
                 found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, limits))
     if dropped:
         studies.set_attr(runner.study, "engines_dropped", dropped)
-    found = _settled(found, runner)
+    found = _settled(found, runner, limits)
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
@@ -172,11 +177,11 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
     Raises:
         EngineUnavailable: building it or calling it failed.
     """
-    compiling = engine != "eager"
+    compiling, limits = engine != "eager", BuildLimits(None)
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
-                      name=name, compiling=BuildLimits(None) if compiling else None)
-    if not _settled({name: finalist}, runner):
+                      name=name, compiling=limits if compiling else None)
+    if not _settled({name: finalist}, runner, limits):
         raise EngineUnavailable(f"{engine}: a call after its first failed")
     return finalist
 
@@ -376,13 +381,13 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
             model): after the search, an engine's failure must not cost the run its result.
     """
     if compiling is None:
-        return _built_and_called(engine, plan, runner, calibration, cache, knobs)
+        return _built_and_called(engine, plan, runner, calibration, cache, knobs, BuildLimits(None))
     log.info("finalist %s: building and compiling", name)
     started = time.perf_counter()
     try:
         with compiling.bounding(), said_while_running(
                 STILL_COMPILING_S, lambda seconds: log.info("finalist %s: still compiling (%.0f s)", name, seconds)):
-            finalist = _built_and_called(engine, plan, runner, calibration, cache, knobs)
+            finalist = _built_and_called(engine, plan, runner, calibration, cache, knobs, compiling)
     except _PastTimeout:
         raise CompileTimedOut(f"the run's timeout passed while {name} compiled (after "
                               f"{time.perf_counter() - started:.0f} s), so it builds no more finalists") from None
@@ -392,7 +397,7 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
 
 
 def _built_and_called(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibration,
-                      cache: CompileCache, knobs: tuple[str, ...]) -> Finalist:
+                      cache: CompileCache, knobs: tuple[str, ...], limits: BuildLimits) -> Finalist:
     started = time.perf_counter()
     try:
         built = cache.build(engine, runner.fp32, plan, calibration, runner.inputs, knobs)
@@ -403,24 +408,56 @@ def _built_and_called(engine: Engine, plan: Plan, runner: TrialRunner, calibrati
     if compiled_in_place(runner.study):
         setattr(built, CALLS_ITSELF, True)   # so eval_fn's calls through its methods run compiled (CALLS_ITSELF)
         setattr(built, ENTRIES, entry_paths(runner.batches))   # and the encoder generate calls apart
+    if limits.static.get(engine.name):
+        setattr(built, COMPILE_STATIC, True)
     runnable = engine.runnable(built)
     try:
-        with as_eval_fn_calls(runner):
-            for shape in runner.shapes:
-                call(runnable, shape.inputs)
+        _called_at_every_shape(runnable, runner)
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
-        raise EngineUnavailable(f"{engine.name}: the first call failed: {describe(exc)}") from exc
+        runnable = _compiled_shape_by_shape(engine, built, runner, limits,
+                                            f"{engine.name}: the first call failed", exc)
     return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
 
 
-def _settled(found: dict[str, Finalist], runner: TrialRunner) -> dict[str, Finalist]:
+def _called_at_every_shape(runnable: nn.Module, runner: TrialRunner) -> None:
+    with as_eval_fn_calls(runner):
+        for shape in runner.shapes:
+            call(runnable, shape.inputs)
+
+
+def _compiled_shape_by_shape(engine: Engine, built: nn.Module, runner: TrialRunner, limits: BuildLimits,
+                             failed: str, exc: Exception) -> nn.Module:
+    """`built` compiled for each shape apart and called at every shape, where a call compiled for sizes that vary
+    raised `exc` (`failed`: how that call is said); `limits.static` learns how that went.
+
+    Raises:
+        EngineUnavailable: `exc`'s call was compiled so already, the engine cannot compile so, or it failed too.
+    """
+    said = f"{failed}: {describe(exc)}"
+    if (getattr(built, COMPILE_STATIC, False) or not engine.compiles_static_when_marked
+            or limits.static.get(engine.name) is False):
+        raise EngineUnavailable(said) from exc
+    log.info("%s; compiling it again for each shape apart", said)
+    setattr(built, COMPILE_STATIC, True)
+    runnable = engine.runnable(built)
+    try:
+        _called_at_every_shape(runnable, runner)
+    except Exception as again:
+        limits.static[engine.name] = False
+        raise EngineUnavailable(f"{said}; compiled for each shape apart: {describe(again)}") from again
+    limits.static[engine.name] = True
+    return runnable
+
+
+def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimits) -> dict[str, Finalist]:
     """`found`, with every compiled finalist called at every shape until a pass compiles nothing more (at most
     SETTLE_PASSES passes; the seconds go to its setup_s), so the race times compiled code, not compiling. One call
     at a shape is not always the last compile there: dynamo may then make a size dynamic (one block class run at
     several widths), and finalists share the frames below a graph break, so one finalist's new entries can route
     another's next call into frames it has not run. On a MobileNet with int8 squeeze-excitation convolutions the
     race timed inductor finalists at up to 155x fp32's time that way, and never chose them. A finalist whose calls
-    now fail (they did not at first) is left out with its reason logged."""
+    now fail (they did not at first: a size made dynamic) is compiled again for each shape apart
+    (_compiled_shape_by_shape), or, where that fails too, left out with its reason logged."""
     compiled = {name: finalist for name, finalist in found.items() if finalist.runnable is not finalist.built}
     shapes = runner.shapes
     for _ in range(SETTLE_PASSES):
@@ -438,9 +475,14 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner) -> dict[str, Final
                         for shape in shapes:
                             call(finalist.runnable, shape.inputs)
             except Exception as exc:   # compilers raise many kinds
-                log.warning("%s is left out: a call after its first failed: %s", name, describe(exc))
-                del compiled[name], found[name]
-                continue
+                try:
+                    finalist.runnable = _compiled_shape_by_shape(get_engine(finalist.engine), finalist.built, runner,
+                                                                 limits, "a call after its first failed", exc)
+                    compiling = True
+                except EngineUnavailable as unavailable:
+                    log.warning("%s is left out: %s", name, unavailable)
+                    del compiled[name], found[name]
+                    continue
             finalist.setup_s += time.perf_counter() - started
         if not compiling:
             break
