@@ -251,7 +251,7 @@ def test_a_plan_file_with_a_key_apply_does_not_know_is_refused_naming_the_closes
     exported = folder / "all.json"
     assert run("export", "mnist", "--storage", storage, "--out", str(exported)).exit_code == 0
     data = {**json.loads(exported.read_text()), NOISE_KEY: 0.3, BUSY_KEY: True, "compile_in_place": False, "trial": 0,
-            "speedup_predicted": True}
+            "speedup_predicted": True, "compile_static": False}
     assert set(data) == set(PLAN_FILE_KEYS) - {"latency_inputs"}
     exported.write_text(json.dumps(data))
     result = run("apply", str(exported), "--config", str(config), "--out", str(folder / "m.pt"),

@@ -243,8 +243,8 @@ class TuningConfig(ConfigModel):
     compile_cache: str | None = Field(
         f"{DEFAULT_STUDIES_DIR}/cache/compiled", min_length=1,
         description="folder where finalists of compiling engines and the compiler's artefacts are kept per study "
-                    "and per model weights and calibration batches, so a resumed study compiles nothing again "
-                    "(machine-local); null: kept nowhere")
+                    "and per model weights, model code and calibration batches, so a resumed study compiles nothing "
+                    "again (machine-local); null: kept nowhere")
     objective: Literal["latency", "pareto"] = Field(
         "latency", description="latency: fastest plan within the tolerance; pareto: also keep the front of "
                                "latency vs accuracy loss (study.best_trials)")
