@@ -1748,13 +1748,6 @@ def doubled_inputs() -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
 
 
-class LoweredIsFaster(HalfCostMeasurer):
-    """Each module lowered costs half its fp32 time alone; any model but fp32 runs at half its time."""
-
-    def latency(self, models, inputs, repeats, warmup=None):
-        return {name: LatencyStats(10.0 if name == "fp32" else 5.0, 0.0, repeats) for name in models}
-
-
 def test_a_model_that_compiles_only_for_fixed_sizes_is_compiled_shape_by_shape(tmp_path, caplog):
     """Timed at two batch sizes, the second call of a compiled model compiles it for a dynamic batch; where that
     fails, the finalist is compiled for each shape apart, and so are the engine's later finalists from the start
@@ -1765,7 +1758,7 @@ def test_a_model_that_compiles_only_for_fixed_sizes_is_compiled_shape_by_shape(t
                           compile_cache=str(tmp_path / "cache"),
                           latency_inputs=[{"batch": 8}, {"batch": 4}])   # batch 1 compiles for its own size
     with caplog.at_level(logging.INFO, logger="autotune"):
-        result = autotune(model, config, fidelity_on(model, x), x, measurer=LoweredIsFaster())
+        result = autotune(model, config, fidelity_on(model, x), x, measurer=CompiledIsFaster())
     retried = [r.message for r in caplog.records if "compiling it again for each shape apart" in r.message]
     assert len(retried) == 1 and "doubled: no kernel for sizes that vary" in retried[0], retried
     built = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(inductor)" in name]
