@@ -10,11 +10,13 @@ helper processes of `tune --workers N` say nothing); the exit code is 128 + the 
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
@@ -97,6 +99,22 @@ class Interrupts:
 
 
 interrupts = Interrupts()
+
+
+@contextmanager
+def library_errors_hidden_once_interrupted() -> Iterator[None]:
+    """SQLAlchemy closes a connection whose query a KeyboardInterrupt broke, then fails to close its cursor and logs
+    that with a traceback: `tune --workers 3` printed it above its one interrupted line. Within this, SQLAlchemy's
+    error logs reach stderr as before, as Python's last-resort handler writes them, until a Ctrl-C comes."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.addFilter(lambda _record: not interrupts.received)
+    logger = logging.getLogger("sqlalchemy")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def stop_at_once(signum: int, _frame: Any) -> None:

@@ -2,8 +2,10 @@
 130 for Ctrl-C), never a traceback unless --debug; outputs are checked before any work starts."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import sqlalchemy
 import torch
 import yaml
 from click.testing import CliRunner
@@ -313,6 +316,57 @@ def test_a_ctrl_c_that_breaks_a_librarys_clean_up_ends_the_command_as_interrupte
         main.commands.pop("ctrl-c-in-a-clean-up")
     assert_one_error_line(result, 130, "interrupted; every finished trial is kept")
     assert "UnboundLocalError" not in result.output
+
+
+class _FetchSendsCtrlC(sqlite3.Cursor):
+    def fetchall(self):
+        # Both connections closed under the fetch, as a study read's were found after its Ctrl-C: SQLAlchemy then
+        # fails to close the cursor and logs it.
+        self.connection.owner.close()
+        self.connection.close()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)               # the handler raises here, inside SQLAlchemy's fetch
+
+
+class _ConnectionSendsCtrlC(sqlite3.Connection):
+    owner: sqlalchemy.Connection    # SQLAlchemy's connection over this one
+
+    def cursor(self, factory=_FetchSendsCtrlC):
+        return super().cursor(factory)
+
+
+def test_a_ctrl_c_inside_a_database_query_shows_no_library_traceback(tmp_path, monkeypatch):
+    """SQLAlchemy closes a connection a KeyboardInterrupt broke, then logs the cursor it cannot close, traceback and
+    all: `tune --workers 3` printed that above its interrupted line when a Ctrl-C came during a study read."""
+    monkeypatch.setattr(logging.root, "handlers", [])     # pytest's capture off: as a command line logs
+    @main.command("ctrl-c-in-a-query")
+    def command():
+        engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/s.db",
+                                          connect_args={"factory": _ConnectionSendsCtrlC})
+        with engine.connect() as connection:
+            connection.connection.dbapi_connection.owner = connection
+            connection.execute(sqlalchemy.text("select 1")).all()
+
+    try:
+        result = run("ctrl-c-in-a-query")
+    finally:
+        main.commands.pop("ctrl-c-in-a-query")
+    assert_one_error_line(result, 130, "interrupted; every finished trial is kept")
+    assert "Error closing cursor" not in result.output, result.output
+
+
+def test_a_librarys_error_log_is_still_shown_when_no_ctrl_c_came(monkeypatch):
+    monkeypatch.setattr(logging.root, "handlers", [])
+
+    @main.command("library-error-log")
+    def command():
+        logging.getLogger("sqlalchemy.pool.impl.QueuePool").error("Error closing cursor")
+
+    try:
+        result = run("library-error-log")
+    finally:
+        main.commands.pop("library-error-log")
+    assert result.exit_code == 0 and "Error closing cursor" in result.output, result.output
 
 
 @pytest.mark.parametrize("script", [False, True])
