@@ -1771,6 +1771,15 @@ def test_a_model_that_compiles_only_for_fixed_sizes_is_compiled_shape_by_shape(t
                                       "test_engines:doubled_inputs")
     assert saved["compile_static"] is True and "torch.compile(torch.load(path, weights_only=False), dynamic=False)" \
         in output, output
+    # Run again, the recorded best is built shape by shape from the start: its failing compile is not tried again.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        again = autotune(model, config, fidelity_on(model, x), x, measurer=CompiledIsFaster())
+    assert "was recorded after its last trial" in caplog.text and again.plan == result.plan, caplog.text
+    assert "compiling it again for each shape apart" not in caplog.text and "failed" not in caplog.text, caplog.text
+    assert again.study.user_attrs["autotune.best"]["compile_static"] is True
+    with torch.no_grad():
+        assert torch.allclose(again.model(x[:3]), model(x[:3]), atol=0.1)
 
 
 def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_path, monkeypatch):

@@ -170,14 +170,16 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     return found
 
 
-def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...], name: str) -> Finalist:
+def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...], name: str,
+            static: bool = False) -> Finalist:
     """One plan built again in `engine` with `knobs` (read back from the study's compile cache where it holds it),
-    called until it compiles nothing more.
+    called until it compiles nothing more; compiled for each shape apart from the start where it was (`static`):
+    its compile for sizes that vary failed, a minute or more on CvT, each time the study was run again.
 
     Raises:
         EngineUnavailable: building it or calling it failed.
     """
-    compiling, limits = engine != "eager", BuildLimits(None)
+    compiling, limits = engine != "eager", BuildLimits(None, static={engine: True} if static else {})
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
                       name=name, compiling=limits if compiling else None)
