@@ -21,7 +21,7 @@ demo: install          ## tune the shipped MNIST CNN on real digits, SQLite stud
 
 test: install          ## lint, then the test suite
 	$(VENV)/bin/ruff check autotune tests benchmarks
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 sentiment: install     ## MiniLM encoder + sentiment head on human-rated movie sentences (prepares a data cache first)
 	$(PY) -m autotune.workloads.sentiment_data

@@ -1086,6 +1086,40 @@ def test_a_compile_still_running_at_the_timeout_is_stopped_and_said_so(tmp_path,
     assert result.engine == "eager"
 
 
+def test_a_finalist_compiling_far_longer_than_its_engines_first_is_stopped_and_left_out(tmp_path, caplog, monkeypatch):
+    """Swin-V2, no timeout set: plain torch.compile of it took 70 s, and a plan whose eager int8 modules broke its
+    graph compiled for over 16 minutes. Here every inductor finalist but fp32 would compile for 10 min."""
+    from autotune.plan import is_baseline
+    from autotune.search import finalists as finals
+    built_and_called = finals._built_and_called
+
+    def slow(engine, plan, *args, **kwargs):
+        if engine.name == "inductor" and not is_baseline(plan):
+            time.sleep(600)
+        return built_and_called(engine, plan, *args, **kwargs)
+
+    monkeypatch.setattr(finals, "_built_and_called", slow)
+    monkeypatch.setattr(finals, "SLOW_RATIO", 2)
+    monkeypatch.setattr(finals, "SLOW_FLOOR_S", 1.0)
+    model, x = mlp(), batches(1)[0][0][0]
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="autotune"):
+        result = autotune(model, config(tmp_path, engines=["eager", "inductor"]), fidelity(model), x,
+                          measurer=CompiledIsFaster())
+    assert time.monotonic() - started < 150
+    built = result.study.user_attrs["autotune.finalist_setup_s"]
+    assert [name for name in built if name.endswith("(inductor)")] == ["fp32 (inductor)"], built
+    assert "autotune.engines_dropped" not in result.study.user_attrs
+    first = built["fp32 (inductor)"]
+    left_out = re.findall(r"\(inductor\) is left out: its compile was stopped after (\d+) s, over 2 times the "
+                          r"inductor engine's first \((\d+\.\d) s\)", caplog.text)
+    assert left_out, caplog.text
+    for stopped_s, first_said in left_out:   # each stopped at twice the first compile (or the floor), not 10 min
+        assert float(first_said) == pytest.approx(first, abs=0.06)
+        assert int(stopped_s) <= max(1.0, 2 * first) + 2
+    assert result.engine == "inductor"    # the fp32 finalist, compiled, beats the eager plans (CompiledIsFaster)
+
+
 class Int8FastestInContext(HalfCostMeasurer):
     """Module costs that rank bf16 ahead of int8 on every module; whole-model timings in which the uniform int8
     plan runs fastest (what modules timed alone miss of their neighbours)."""

@@ -4,6 +4,7 @@ together against fp32 (`race`)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -55,6 +56,12 @@ HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling e
 STILL_COMPILING_S = 60.0   # a compile running this long is said to be still running, and again each as long after
 FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first says how long its take: none starts
                         # nearer the timeout (one begun 1 s before it was stopped "after 0 s", having built nothing)
+# A finalist still compiling this many times as long as its engine's first finalist did, and at least SLOW_FLOOR_S, is
+# stopped and left out: on a Swin-V2, plain torch.compile of it took 70 s, and a plan whose eager int8 modules broke
+# its graph into frames run at each stage's sizes (dynamo then compiles them for sizes that vary) compiled for over
+# 16 minutes. A plan that slow to compile costs every process that deploys it as much.
+SLOW_RATIO = 5
+SLOW_FLOOR_S = 180.0
 
 
 @dataclass
@@ -77,11 +84,13 @@ class BuildLimits:
     finalist stays alive until the race, and none starts where what is left is less than a build took. What the
     run's compiles said of sizes that vary (`static`, {engine: whether compiling shape by shape then worked}): an
     engine whose compile for them failed compiles its later finalists shape by shape from the start (on CvT each
-    failed compile took a minute), or, where that failed too, never tries it again."""
+    failed compile took a minute), or, where that failed too, never tries it again. And the first compile of each
+    engine (`first_s`), past which a later one is too slow (`slow_after_s`)."""
     at: float | None
     memory: BuildMemory | None = None
     longest_s: dict[str, float] = field(default_factory=dict)
     static: dict[str, bool] = field(default_factory=dict)
+    first_s: dict[str, float] = field(default_factory=dict)
 
     def stop_reason(self, engine: str) -> str | None:
         """Why no finalist of `engine` starts now, or None."""
@@ -96,25 +105,39 @@ class BuildLimits:
         return (f"the run's timeout is nearer than the {engine} engine's longest compile so far "
                 f"({self.longest_s[engine]:.0f} s)")
 
-    def bounding(self) -> AbstractContextManager[None]:
-        """The block, stopped (CompileTimedOut, from _ready) where it is still running at the timeout: a compile
-        cannot be told how long it will take (RWKV's time loop, unrolled by export, compiled for 13 minutes); and
-        the memory it took, measured."""
+    def slow_after_s(self, engine: str) -> float | None:
+        """How long a compile of `engine` may run before it is too slow (SLOW_RATIO); None before its first."""
+        if engine not in self.first_s:
+            return None
+        return max(SLOW_FLOOR_S, SLOW_RATIO * self.first_s[engine])
+
+    def bounding(self, engine: str) -> AbstractContextManager[None]:
+        """The block, stopped where it is still running at the timeout (CompileTimedOut, from _ready) or past
+        `slow_after_s` (a finalist left out): a compile cannot be told how long it will take (RWKV's time loop,
+        unrolled by export, compiled for 13 minutes); and the memory it took, measured."""
         bounds = ExitStack()
         if self.memory is not None:
             bounds.enter_context(self.memory.measuring())
-        if self.at is not None:
-            bounds.enter_context(interrupted_after(self.at - time.monotonic(), _PastTimeout))
+        timeout_s = math.inf if self.at is None else self.at - time.monotonic()
+        slow_s = self.slow_after_s(engine) or math.inf
+        if min(timeout_s, slow_s) < math.inf:
+            bounds.enter_context(interrupted_after(min(timeout_s, slow_s),
+                                                   _PastTimeout if timeout_s <= slow_s else _TooSlow))
         return bounds
 
     def note(self, finalist: Finalist) -> None:
         if finalist.runnable is not finalist.built:
             self.longest_s[finalist.engine] = max(self.longest_s.get(finalist.engine, 0.0), finalist.setup_s)
+            self.first_s.setdefault(finalist.engine, finalist.setup_s)
 
 
 class _PastTimeout(BaseException):
     """Raised into a compile at the run's timeout: not an Exception, which the compiler's own handlers would take
     for a failed kernel choice and go on."""
+
+
+class _TooSlow(BaseException):
+    """Raised into a compile running past BuildLimits.slow_after_s (a BaseException, as _PastTimeout is)."""
 
 
 class CompileTimedOut(EngineUnavailable):
@@ -387,12 +410,17 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
     log.info("finalist %s: building and compiling", name)
     started = time.perf_counter()
     try:
-        with compiling.bounding(), said_while_running(
+        with compiling.bounding(engine.name), said_while_running(
                 STILL_COMPILING_S, lambda seconds: log.info("finalist %s: still compiling (%.0f s)", name, seconds)):
             finalist = _built_and_called(engine, plan, runner, calibration, cache, knobs, compiling)
     except _PastTimeout:
         raise CompileTimedOut(f"the run's timeout passed while {name} compiled (after "
                               f"{time.perf_counter() - started:.0f} s), so it builds no more finalists") from None
+    except _TooSlow:
+        raise EngineUnavailable(
+            f"its compile was stopped after {time.perf_counter() - started:.0f} s, over {SLOW_RATIO} times the "
+            f"{engine.name} engine's first ({compiling.first_s[engine.name]:.1f} s): a plan that slow to compile "
+            "costs as much wherever it is deployed") from None
     if finalist.runnable is not finalist.built:
         log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
     return finalist
