@@ -5,7 +5,7 @@ from collections import UserDict
 
 import pytest
 import torch
-from conftest import RecordedEval, assert_one_call_per_trial
+from conftest import HalfCostMeasurer, RecordedEval, assert_one_call_per_trial
 
 from autotune import MixedPrecisionConfig, TuningConfig, apply_plan, autotune
 from autotune.plan import plan_key
@@ -79,11 +79,15 @@ def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
     tuning = TuningConfig(engines=["eager"],
                           config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
                           max_trials=4, repeats=3, storage=storage)
-    result = autotune(model, tuning, fidelity, example_inputs=((), batch))
-    projections = [name for name in result.plan if name.endswith(("attn.c_attn", "attn.c_proj", "mlp.c_fc"))]
+    projections = [f"transformer.h.{layer}.{name}" for layer in range(2)
+                   for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")]
+    # Timings in which int8 costs half of fp32: on this small GPT-2 it saves about nothing, and a busy host's timing
+    # pruned it as slower (CI). What is shown is that the projections are searched and lowered, and pass.
+    result = autotune(model, tuning, fidelity, example_inputs=((), batch), measurer=HalfCostMeasurer(projections))
+    assert set(projections) <= set(result.plan)
     passed = [trial_plan(t) for t in evaluated_trials(result.study) if t.user_attrs["passed"]]
-    # Whether an int8 plan then wins is the timing's verdict (this GPT-2 is small: int8 saves about nothing)
-    assert len(projections) == 6 and any(plan[name] == "int8" for plan in passed for name in projections)
+    assert any(plan[name] == "int8" for plan in passed for name in projections)
+    assert any(result.plan[name] == "int8" for name in projections), result.plan
     assert fidelity(result.model) >= 0.99
 
 
