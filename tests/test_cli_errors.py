@@ -339,6 +339,7 @@ def test_a_ctrl_c_inside_a_database_query_shows_no_library_traceback(tmp_path, m
     """SQLAlchemy closes a connection a KeyboardInterrupt broke, then logs the cursor it cannot close, traceback and
     all: `tune --workers 3` printed that above its interrupted line when a Ctrl-C came during a study read."""
     monkeypatch.setattr(logging.root, "handlers", [])     # pytest's capture off: as a command line logs
+
     @main.command("ctrl-c-in-a-query")
     def command():
         engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path}/s.db",

@@ -75,34 +75,34 @@ class _Group(click.Group):
         previous = {number: signal.signal(number, interrupts.handle) for number in SIGNALS} if main_thread else {}
         previous_hook, sys.unraisablehook = sys.unraisablehook, functools.partial(interrupts.unraisable,
                                                                                  sys.unraisablehook)
-        with library_errors_hidden_once_interrupted():
-            try:
+        try:
+            with library_errors_hidden_once_interrupted():   # what a Ctrl-C breaks in them is logged in the command
                 result = super().invoke(ctx)
-                interrupts.stop_if_received()
-                return result
-            except click.exceptions.Exit:
+            interrupts.stop_if_received()
+            return result
+        except click.exceptions.Exit:
+            raise
+        except (click.ClickException, click.exceptions.Abort):
+            raise
+        except BrokenPipeError:   # the reader went away (`autotune show ... | head`): as any filter, stop quietly
+            # Python flushes stdout again at exit, which would fail once more: point it where writing cannot.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(BROKEN_PIPE)
+        except Exception as exc:
+            if ctx.params.get("debug"):
                 raise
-            except (click.ClickException, click.exceptions.Abort):
-                raise
-            except BrokenPipeError:   # the reader went away (`autotune show ... | head`): as any filter, stop quietly
-                # Python flushes stdout again at exit, which would fail once more: point it where writing cannot.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                ctx.exit(BROKEN_PIPE)
-            except Exception as exc:
-                if ctx.params.get("debug"):
-                    raise
-                if interrupts.received:  # what the Ctrl-C broke on its way (optuna's trial clean-up: UnboundLocalError)
-                    _interrupted(ctx)
-                raise _as_cli_error(exc) from None
-            except KeyboardInterrupt:
-                if ctx.params.get("debug"):
-                    raise
+            if interrupts.received:    # what the Ctrl-C broke on its way (optuna's trial clean-up: UnboundLocalError)
                 _interrupted(ctx)
-            finally:
-                interrupts.disarm()
-                sys.unraisablehook = previous_hook
-                for number, handler in previous.items():
-                    signal.signal(number, handler)
+            raise _as_cli_error(exc) from None
+        except KeyboardInterrupt:
+            if ctx.params.get("debug"):
+                raise
+            _interrupted(ctx)
+        finally:
+            interrupts.disarm()
+            sys.unraisablehook = previous_hook
+            for number, handler in previous.items():
+                signal.signal(number, handler)
 
 
 def _interrupted(ctx: click.Context) -> None:
