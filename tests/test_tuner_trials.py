@@ -482,6 +482,37 @@ def test_a_search_left_nothing_but_fp32_says_why_in_the_summary(storage):
                             "them)"), some.stopped
 
 
+def test_the_exhaustive_search_spends_no_call_on_a_plan_holding_every_lowering_of_a_failed_one(storage):
+    """Lowering more modules only adds error: in a space of 8 plans, where int8 in the first Linear (the least
+    sensitive by the signals) misses alone, the two plans adding int8 elsewhere to it are left out, not run."""
+    from conftest import HalfCostMeasurer
+
+    from autotune.plan import plan_of
+
+    class FirstLooksSafest(HalfCostMeasurer):
+        def sensitivity(self, fp32, candidates, inputs, calibration):
+            return {name: {d: 0.0 if d == "fp32" else 1e-4 if name == "0" else 1e-2 for d in dtypes}
+                    for name, dtypes in candidates.items()}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    names, seen = ["0", "2", "4"], []
+
+    def eval_fn(net):
+        seen.append(plan_of(net, names))
+        return 0.0 if seen[-1]["0"] == "int8" else 1.0
+
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), max_trials=20,
+                          storage=storage)
+    result = autotune(model, config, eval_fn, torch.randn(4, 8), measurer=FirstLooksSafest(names))
+    lowered = [{name for name, dtype in plan.items() if dtype == "int8"} for plan in seen]
+    assert {"0"} in lowered, "the guided search should have tried int8 in the first Linear alone"
+    assert {"0", "2"} not in lowered and {"0", "4"} not in lowered, lowered
+    assert set(result.plan.values()) == {"fp32", "int8"} and result.plan["0"] == "fp32"
+    assert result.stopped.endswith("; 2 left out, each holding every lowering of a failed plan)"), result.stopped
+    assert result.trials_evaluated == 5       # of the 7 plans but fp32
+
+
 def test_a_trial_another_process_failed_as_stale_while_it_ran_is_dropped_and_the_run_goes_on(storage, caplog):
     """A worker paused mid-trial (SIGSTOP, a VM paused) or cut off from its database stops beating its trial's
     heartbeat; another worker fails that trial as stale and queues its plan again. The first, resumed, wrote its

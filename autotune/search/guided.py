@@ -51,6 +51,18 @@ def exhaustive_order(space: SearchSpace) -> list[Plan]:
     return sorted(lowered, key=space.predicted_ms)
 
 
+def settled(plan: Plan, failed: list[Plan]) -> bool:
+    """Whether `plan` holds every lowering of a failed plan (each of its lowered units in the same dtype) and
+    lowers more: lowering more units only adds error, so it fails too. (Timing has no such rule: a plan predicted
+    slower may still run faster in the whole model, which the trial measures.)"""
+    return any(_holds(plan, other) for other in failed)
+
+
+def _holds(plan: Plan, other: Plan) -> bool:
+    """Whether `plan` lowers every unit `other` lowers, in the same dtype."""
+    return all(plan[unit] == dtype for unit, dtype in other.items() if dtype != "fp32")
+
+
 @dataclass
 class _End:
     """One end of the interval the boundary lies in: a budget and its plan's loss in tolerances (None where not
