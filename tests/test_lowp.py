@@ -35,6 +35,34 @@ def test_the_model_runs_in_the_low_dtype_with_fp32_islands_and_fp32_at_its_edges
     assert_state_equal(fp32, before)
 
 
+class CachedTable(nn.Module):
+    """A table computed in its input's dtype on the first call and kept as a plain attribute (not a buffer), as
+    Wav2Vec2-Conformer keeps its rotary embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.table = nn.Linear(16, 16), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.eye(16).type_as(x)
+        return torch.matmul(self.proj(x), self.table)
+
+
+def test_a_cache_held_as_a_plain_attribute_and_filled_in_fp32_runs_in_the_low_dtype():
+    """The model was called in fp32 before it is built (the baseline, the signals): its cache held fp32, and the
+    matmul met a bf16 input: "expected both operands to have the same dtype"."""
+    torch.manual_seed(0)
+    fp32 = nn.Sequential(CachedTable(), nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        reference = fp32(X)
+    built = LowPrecisionEngine().build(fp32, {"0.proj": "bf16", "1": "bf16"}, Calibration([], {}))
+    with torch.no_grad():
+        out = built(X)
+    assert built[0].table.dtype == torch.bfloat16 and fp32[0].table.dtype == torch.float32
+    assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
+
+
 class TiedLM(nn.Module):
     """A language model whose head shares the embedding's weight, as GPT-2's does."""
 

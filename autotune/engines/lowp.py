@@ -42,6 +42,16 @@ def _cast_at_edges(module: nn.Module, inside: torch.dtype, outside: torch.dtype)
     module.register_forward_hook(functools.partial(_cast_output, outside))
 
 
+def _cast_tensor_attributes(model: nn.Module, dtype: torch.dtype) -> None:
+    """fp32 tensors a module holds as plain attributes, which `.to` leaves alone (it casts parameters and buffers),
+    cast to `dtype`: caches filled on an earlier fp32 call. Wav2Vec2-Conformer's rotary table, kept so, turned its
+    query and key to fp32 beside a value in the low dtype, which scaled_dot_product_attention refuses."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                setattr(module, name, value.to(dtype))
+
+
 @dataclass(frozen=True)
 class LowPrecisionEngine:
     name: str = "lowp"
@@ -62,6 +72,7 @@ class LowPrecisionEngine:
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
         low = LOW[next(dtype for dtype in plan.values() if dtype != "fp32")]
         model = clone(fp32).to(low)
+        _cast_tensor_attributes(model, low)
         _cast_at_edges(model, low, torch.float32)
         setattr(model, STATE_DTYPE, low)       # generate's KV cache: what its own calls computed, in `low`
         for path in entry_paths(calibration.batches):
