@@ -63,6 +63,37 @@ def test_a_cache_held_as_a_plain_attribute_and_filled_in_fp32_runs_in_the_low_dt
     assert out.dtype == torch.float32 and torch.allclose(out, reference, atol=0.05, rtol=0.05)
 
 
+class PositionsOnTheFly(nn.Module):
+    """Sinusoidal positions computed in the forward, in fp32 whatever the weights' dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.proj = nn.Embedding(100, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(1) / 10000 ** (torch.arange(32) / 32)
+        return self.proj(self.norm(self.embed(ids) + torch.sin(positions)))
+
+
+def test_a_tensor_the_forward_builds_in_fp32_meets_the_low_dtype_weights_cast_to_it():
+    """The sum of the bf16 embedding and the fp32 positions was fp32, and the bf16 LayerNorm refused it: "mixed
+    dtype (CPU): expect parameter to have scalar type of Float"; the engine was left out of such a model's run."""
+    torch.manual_seed(0)
+    fp32, ids = PositionsOnTheFly().eval(), torch.randint(0, 100, (4, 10))
+    built = LowPrecisionEngine().build(fp32, {"embed": "bf16", "proj": "bf16"}, Calibration([], {}))
+    seen = []
+    built.proj.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with torch.no_grad():
+        out, reference = built(ids), fp32(ids)
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    assert torch.allclose(out, reference, atol=0.1, rtol=0.05)
+    island = LowPrecisionEngine().build(fp32, {"embed": "bf16", "proj": "fp32"}, Calibration([], {}))
+    island.proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        island(ids)
+    assert seen[-1] == torch.float32 and island.proj.weight.dtype == torch.float32    # the island stays fp32
+
+
 class TiedLM(nn.Module):
     """A language model whose head shares the embedding's weight, as GPT-2's does."""
 

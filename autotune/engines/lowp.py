@@ -52,6 +52,16 @@ def _cast_tensor_attributes(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, value.to(dtype))
 
 
+def _low_inputs(model: nn.Module, low: torch.dtype) -> None:
+    """Float inputs of every module holding parameters in `low` cast to it on the way in: a tensor the forward
+    builds in fp32 (a sinusoidal position table computed on the fly) turned the activations it met back to fp32,
+    and the next LayerNorm or Linear refused them beside its `low` weights ("mixed dtype", "mat1 and mat2 must
+    have the same dtype"). Inputs already in `low` pass untouched; the fp32 islands hold fp32 parameters."""
+    for module in model.modules():
+        if any(parameter.dtype == low for parameter in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(functools.partial(_cast_inputs, low), with_kwargs=True)
+
+
 @dataclass(frozen=True)
 class LowPrecisionEngine:
     name: str = "lowp"
@@ -84,6 +94,7 @@ class LowPrecisionEngine:
             island = clone(fp32.get_submodule(name))
             model.set_submodule(name, island)
             _cast_at_edges(island, torch.float32, low)
+        _low_inputs(model, low)
         # A transformer encoder's fused path bypasses an island (its kernel reads the weights) or hands it nested
         # tensors, which an fp32 MultiheadAttention off that path refuses.
         calls_children_as_modules(model, islands)
