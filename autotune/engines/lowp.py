@@ -1,7 +1,8 @@
 """The low-precision engine: the whole model in the plan's low dtype, as `model.half()` does (every float
 parameter and buffer, so LayerNorm, embeddings, activations and residual adds run in it too), the modules the
-plan keeps in fp32 as fp32 islands, with casts only where precision changes (into and out of an island, and at
-the model's float inputs and outputs), then compiled by inductor. This is a GPU user's `torch.compile(
+plan keeps in fp32 as fp32 islands, with casts only where precision changes (into and out of an island, at the
+model's float inputs and outputs, and into a module with low-dtype weights that an fp32 tensor built in the
+forward reaches), then compiled by inductor. This is a GPU user's `torch.compile(
 model.half())` with the tuner's fallback to fp32 where the tolerance needs it; on CPUs with native bf16 it runs
 the same way. Numerics change beyond the plan's modules, so every finalist is re-evaluated as usual."""
 from __future__ import annotations
