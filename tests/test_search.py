@@ -170,14 +170,14 @@ def test_exhaustive_order_lists_every_plan_once_fastest_predicted_first():
     assert all(any(d != "fp32" for d in p.values()) for p in plans)
 
 
-def test_a_plan_holding_every_lowering_of_a_failed_plan_is_settled():
-    from autotune.search.guided import settled
-    failed = [{"m0": "int8", "m1": "fp32", "m2": "bf16"}]
-    assert settled({"m0": "int8", "m1": "int8", "m2": "bf16"}, failed)
-    assert settled({"m0": "int8", "m1": "fp32", "m2": "bf16"}, failed)
-    assert not settled({"m0": "int8", "m1": "int8", "m2": "int8"}, failed)    # m2 in another dtype
-    assert not settled({"m0": "int8", "m1": "fp32", "m2": "fp32"}, failed)    # less lowered
-    assert not settled({"m0": "int8", "m1": "int8", "m2": "bf16"}, [])
+def test_a_plan_holding_every_lowering_of_a_plan_that_missed_is_found():
+    from autotune.search.guided import holds_a_missed_plan
+    missed = [{"m0": "int8", "m1": "fp32", "m2": "bf16"}]
+    assert holds_a_missed_plan({"m0": "int8", "m1": "int8", "m2": "bf16"}, missed)
+    assert holds_a_missed_plan({"m0": "int8", "m1": "fp32", "m2": "bf16"}, missed)
+    assert not holds_a_missed_plan({"m0": "int8", "m1": "int8", "m2": "int8"}, missed)    # m2 in another dtype
+    assert not holds_a_missed_plan({"m0": "int8", "m1": "fp32", "m2": "fp32"}, missed)    # less lowered
+    assert not holds_a_missed_plan({"m0": "int8", "m1": "int8", "m2": "bf16"}, [])
 
 
 def test_min_cost_choice_matches_brute_force_on_random_instances():

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autotune.config.tuning import TuningConfig
-from autotune.search.guided import GuidedSearch, Status, exhaustive_order, settled
+from autotune.search.guided import GuidedSearch, Status, exhaustive_order, holds_a_missed_plan
 from autotune.search.trials import TrialRunner, fail_stale_trials
 
 EXHAUSTIVE_LIMIT = 256  # spaces this small are enumerated instead of sampled (TPE would mostly repeat plans)
@@ -104,7 +104,7 @@ def run_guided(runner: TrialRunner, budget: Budget) -> None:
 
 def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> str:
     """The plans of a small space not run yet, fastest predicted first, but for those holding every lowering of a
-    failed plan (guided.settled): patience and budget go to plans that may pass."""
+    plan that missed the tolerance (guided.holds_a_missed_plan): patience and budget go to plans that may pass."""
     order = exhaustive_order(runner.space)
     plans = iter(order)
     left_out = 0
@@ -117,11 +117,11 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
             return False
         if runner.waiting:    # a dead worker's plan, queued again, runs first
             return True
-        failed = [plan for plan in order if runner.status_of(plan) is Status.FAILED]
+        missed = [plan for plan in order if runner.missed(plan)]
         for plan in plans:    # a plan another worker evaluated, or has queued or running, is theirs
             if runner.status_of(plan) is not Status.NEW:
                 continue
-            if settled(plan, failed):
+            if holds_a_missed_plan(plan, missed):
                 left_out += 1
                 continue
             runner.queue(plan, "exhaustive")
@@ -131,7 +131,8 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
     while runner.start_next(choose, queued_only=True) is not None:
         pass
     if left_out:
-        log.info("the exhaustive search left out %d plan(s), each holding every lowering of a failed plan", left_out)
+        log.info("the exhaustive search left out %d plan(s), each holding every lowering of a plan that missed",
+                 left_out)
     if stopped:
         return stopped[0]
     if runner.space.size == 1:   # fp32 alone: the signals pruned every lower dtype of every module
@@ -141,10 +142,12 @@ def run_exhaustive(runner: TrialRunner, budget: Budget, patience: Patience) -> s
     if budget.spent(runner) or patience.spent:
         return budget.spent(runner) or patience.reason()
     # A few plans where max_trials allowed more read as a bug unless the pruning is named.
-    return (f"every plan of the space was tried{' or left out' if left_out else ''} ({runner.space.size} in all: the "
-            "dtypes left to each module once the signals pruned those slower than fp32 or losing too much alone; "
-            "`autotune show` lists them"
-            + (f"; {left_out} left out, each holding every lowering of a failed plan" if left_out else "") + ")")
+    pruned = (f"{runner.space.size} in all: the dtypes left to each module once the signals pruned those slower than "
+              "fp32 or losing too much alone; `autotune show` lists them")
+    if left_out:
+        return (f"every plan of the space was tried or left out ({pruned}; {left_out} left out, each holding every "
+                "lowering of a plan that missed)")
+    return f"every plan of the space was tried ({pruned})"
 
 
 def run_sampler(runner: TrialRunner, budget: Budget, patience: Patience) -> str:

@@ -51,11 +51,11 @@ def exhaustive_order(space: SearchSpace) -> list[Plan]:
     return sorted(lowered, key=space.predicted_ms)
 
 
-def settled(plan: Plan, failed: list[Plan]) -> bool:
-    """Whether `plan` holds every lowering of a failed plan (each of its lowered units in the same dtype) and
-    lowers more: lowering more units only adds error, so it fails too. (Timing has no such rule: a plan predicted
-    slower may still run faster in the whole model, which the trial measures.)"""
-    return any(_holds(plan, other) for other in failed)
+def holds_a_missed_plan(plan: Plan, missed: list[Plan]) -> bool:
+    """Whether `plan` holds every lowering of a plan that missed the tolerance (each of its lowered units in the same
+    dtype): lowering more units only adds error, so it misses too. (Timing has no such rule: a plan predicted slower
+    may still run faster in the whole model, which its trial measures.)"""
+    return any(_holds(plan, other) for other in missed)
 
 
 def _holds(plan: Plan, other: Plan) -> bool:

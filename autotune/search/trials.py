@@ -326,6 +326,11 @@ class TrialRunner:
             return Status.FAILED
         return Status.RUNNING if key in self.taken else Status.NEW
 
+    def missed(self, unit_plan: Plan) -> bool:
+        """Whether `unit_plan` was evaluated and missed the tolerance (a trial that raised or timed out did not)."""
+        outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
+        return outcome is not None and not outcome.passed
+
     def tolerances_lost(self, unit_plan: Plan) -> float | None:
         """An evaluated plan's accuracy loss over the tolerable loss (1 is the limit), None where not known."""
         outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
