@@ -328,13 +328,16 @@ class TrialRunner:
 
     def missed(self, unit_plan: Plan) -> bool:
         """Whether `unit_plan` was evaluated and missed the tolerance (a trial that raised or timed out did not)."""
-        outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
+        outcome = self._outcome(unit_plan)
         return outcome is not None and not outcome.passed
 
     def tolerances_lost(self, unit_plan: Plan) -> float | None:
         """An evaluated plan's accuracy loss over the tolerable loss (1 is the limit), None where not known."""
-        outcome = self.outcomes.get(plan_key(self.space.expand(unit_plan)))
+        outcome = self._outcome(unit_plan)
         return None if outcome is None else outcome.tolerances_lost
+
+    def _outcome(self, unit_plan: Plan) -> Outcome | None:
+        return self.outcomes.get(plan_key(self.space.expand(unit_plan)))
 
     def turn(self, name: str) -> AbstractContextManager[None]:
         """Holds the study's lease `name` (one worker at a time) for a short step such as choosing a plan."""
