@@ -585,3 +585,24 @@ def test_modules_tied_to_one_weight_take_one_dtype_and_stay_one_module_when_lowe
     assert result.best.weight_bytes < result.baseline.weight_bytes
     for trial in result.study.trials:    # every plan the search tried kept the tie
         assert len({trial.user_attrs["plan"][name] for name in names[:6]}) == 1
+
+
+@pytest.mark.parametrize("trial_timing", ["predicted", "measured"])
+def test_a_search_ranking_by_predicted_latency_ends_once_the_fastest_predicted_plan_passes(storage, trial_timing):
+    """Ranked by predicted latency, no plan can rank ahead of the fastest predicted: once it passed, the `patience`
+    trials after it were eval_fn calls that could not win. Timed trials may still find a plan the predictions
+    ranked slower running faster, so the search goes on there."""
+    model = wide_model()
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
+                          tolerable_loss=0.5, max_trials=20, patience=2, repeats=3, storage=storage,
+                          trial_timing=trial_timing)
+    result = autotune(model, config, fidelity_eval(model), example_inputs=INPUTS)
+    evaluated = [t for t in result.study.trials if t.user_attrs.get("evaluated")]
+    assert evaluated[0].user_attrs["plan"] == {"0.0": "int8", "1.0": "int8", "2.0": "int8"}
+    assert evaluated[0].user_attrs["passed"]
+    if trial_timing == "predicted":
+        assert len(evaluated) == 1, [t.user_attrs["plan"] for t in evaluated]
+        assert result.stopped.startswith("the fastest predicted plan passed: with trial_timing: predicted")
+        assert result.plan == {"0.0": "int8", "1.0": "int8", "2.0": "int8"}
+    else:
+        assert len(evaluated) > 1 and result.stopped.startswith("patience"), result.stopped
