@@ -588,10 +588,12 @@ def test_modules_tied_to_one_weight_take_one_dtype_and_stay_one_module_when_lowe
 
 
 @pytest.mark.parametrize("trial_timing", ["predicted", "measured"])
-def test_a_search_ranking_by_predicted_latency_ends_once_the_fastest_predicted_plan_passes(storage, trial_timing):
+def test_a_search_ranking_by_predicted_latency_ends_once_the_fastest_predicted_plan_passes(storage, trial_timing,
+                                                                                            caplog):
     """Ranked by predicted latency, no plan can rank ahead of the fastest predicted: once it passed, the `patience`
     trials after it were eval_fn calls that could not win. Timed trials may still find a plan the predictions
-    ranked slower running faster, so the search goes on there."""
+    ranked slower running faster, so the search goes on there, and says how to end it instead."""
+    caplog.set_level(logging.INFO, logger="autotune")
     model = wide_model()
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
                           tolerable_loss=0.5, max_trials=20, patience=2, repeats=3, storage=storage,
@@ -606,3 +608,5 @@ def test_a_search_ranking_by_predicted_latency_ends_once_the_fastest_predicted_p
         assert result.plan == {"0.0": "int8", "1.0": "int8", "2.0": "int8"}
     else:
         assert len(evaluated) > 1 and result.stopped.startswith("patience"), result.stopped
+        assert ("the fastest predicted plan passed: the search goes on until 2 trials (patience) find no plan running "
+                "faster timed in the whole model; trial_timing: predicted would end it here") in caplog.text
