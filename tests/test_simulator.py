@@ -125,3 +125,32 @@ def test_the_search_benchmark_rewrites_its_own_section_of_the_results_and_keeps_
     first = tmp_path / "first.md"
     write_search_section(first, "# Search-strategy benchmark\n")      # no file yet: just the section
     assert first.read_text() == "# Search-strategy benchmark\n\n"
+
+
+@pytest.mark.parametrize("phase", ["exhaustive", "sampler"])
+@pytest.mark.parametrize("trial_timing", ["predicted", "measured"])
+def test_the_search_past_its_guided_plans_stops_once_another_worker_passed_the_fastest_predicted_plan(
+        tmp_path, phase, trial_timing):
+    """A worker whose guided phase ended while another ran the fastest predicted plan saw it running and went on to
+    `patience` trials; ranked by predicted latency, none of them could rank ahead of it once it passed. Timed trials
+    may still find a plan running faster in the whole model, so there the trials go on."""
+    from autotune import MixedPrecisionConfig, TuningConfig
+    from autotune.search.driver import FASTEST_PASSED, Budget, Patience, run_exhaustive, run_sampler
+    from autotune.storage.study import evaluated_trials
+    from autotune.tuner import start_runner
+    sim = SimWorkload(5, eval_cost_s=0)
+    config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=0.5, patience=3, trial_timing=trial_timing,
+                          storage=f"sqlite:///{tmp_path}/sim.db", study_name="fastest")
+    first, second = (start_runner(sim.model(), config, sim.eval_fn, sim.example_inputs(), sim.measurer())
+                     for _ in range(2))    # two workers of one study
+    first.queue(first.space.fastest_plan(), "guided")
+    assert first.run_once().user_attrs["passed"]
+    patience = Patience(config.patience, second, ranked_by_prediction=trial_timing == "predicted")
+    run = run_exhaustive if phase == "exhaustive" else run_sampler
+    stopped = run(second, Budget(max_trials=40, deadline=math.inf), patience)
+    later = len(evaluated_trials(second.study)) - 1
+    if trial_timing == "predicted":
+        assert (stopped, later) == (FASTEST_PASSED, 0)
+    else:
+        assert stopped.startswith("patience") and later >= config.patience, (stopped, later)

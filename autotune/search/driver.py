@@ -59,15 +59,27 @@ class Budget:
 class Patience:
     """Evaluated trials since the study's best passing plan last got faster, every worker's together
     (storage.study.stale_trials), as of the runner's last read of the study. Trials other workers are running
-    count as stale already: most are, and k workers would otherwise start k - 1 trials past the patience."""
+    count as stale already: most are, and k workers would otherwise start k - 1 trials past the patience.
+    Ranked by predicted latency (`ranked_by_prediction`), it is spent at once when the fastest predicted plan has
+    passed, whichever worker ran it: no later trial can rank ahead of it."""
     limit: int
     runner: TrialRunner
+    ranked_by_prediction: bool = False
 
     @property
     def spent(self) -> bool:
-        return self.runner.stale + self.runner.unguided_in_flight >= self.limit
+        return self.fastest_passed or self.runner.stale + self.runner.unguided_in_flight >= self.limit
+
+    @property
+    def fastest_passed(self) -> bool:
+        """Ranked by predicted latency, whether the fastest predicted plan passed as of the runner's last read. (A
+        worker ending its guided phase while another runs that plan starts trials, and stops at the next read.)"""
+        return (self.ranked_by_prediction
+                and self.runner.status_of(self.runner.space.fastest_plan()) is Status.PASSED)
 
     def reason(self) -> str:
+        if self.fastest_passed:
+            return FASTEST_PASSED
         return f"patience: {self.runner.stale} evaluated trials without a faster passing plan"
 
 
@@ -84,13 +96,13 @@ def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
         Why the search stopped, in words.
     """
     budget = Budget(config.max_trials, deadline, should_stop)
+    patience = Patience(config.patience, runner, ranked_by_prediction=config.trial_timing == "predicted")
     run_guided(runner, budget)
+    if patience.fastest_passed:
+        return patience.reason()
     if runner.status_of(runner.space.fastest_plan()) is Status.PASSED:
-        if config.trial_timing == "predicted":
-            return FASTEST_PASSED
         log.info("the fastest predicted plan passed: the search goes on until %d trials (patience) find no plan "
                  "running faster timed in the whole model; trial_timing: predicted would end it here", config.patience)
-    patience = Patience(config.patience, runner)
     if runner.space.size <= EXHAUSTIVE_LIMIT:
         return run_exhaustive(runner, budget, patience)
     return run_sampler(runner, budget, patience)
