@@ -11,13 +11,25 @@ from autotune.backends import get_backend
 from autotune.backends.base import CallInputs
 from autotune.capture import failure_of
 from autotune.clone import clone
-from autotune.config.tuning import MixedPrecisionConfig, TuningConfig
+from autotune.config.tuning import FUSED_EXPERTS, MixedPrecisionConfig, TuningConfig
 from autotune.errors import ConfigError, NoTunableModulesError, did_you_mean, listed
 
 log = logging.getLogger("autotune")
 
 
+def fused_experts(module: nn.Module) -> bool:
+    """Whether `module` holds a mixture of experts' weights stacked in Parameters of its own (experts × out × in,
+    sliced per expert in its forward), as transformers' *Experts classes do (Mixtral, Qwen-MoE, DeepSeek, OLMoE
+    and others since transformers 5): no nn.Linear is left to tune there, and the experts hold most of an MoE's
+    weights (60 % of a 3-layer Qwen3-MoE's). `module_types` names them FusedExperts. A class of other layouts (a
+    ModuleList of Linear experts) is left to its Linears."""
+    return type(module).__name__.endswith("Experts") and any(
+        parameter.dim() >= 3 and parameter.is_floating_point() for parameter in module.parameters(recurse=False))
+
+
 def _type_matches(module: nn.Module, type_names: list[str]) -> bool:
+    if FUSED_EXPERTS in type_names and fused_experts(module):
+        return True
     for cls in type(module).__mro__:
         if cls.__name__ in type_names or f"{cls.__module__}.{cls.__qualname__}" in type_names:
             return True

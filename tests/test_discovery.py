@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+import torch
 from torch import nn
 
 from autotune import ConfigError, MixedPrecisionConfig, NoTunableModulesError
@@ -169,3 +170,66 @@ def test_a_module_type_no_module_is_nor_torch_nn_has_is_an_error_with_a_hint_and
     # A torch.nn class the model lacks is a config written for other models too; a class given itself is its path.
     assert list(tunable_modules(net, [MixedPrecisionConfig(module_types=["LSTM", nn.Linear])])) == ["2"]
     assert MixedPrecisionConfig(module_types=nn.Conv2d).module_types == ["torch.nn.modules.conv.Conv2d"]
+
+
+class TinyExperts(nn.Module):
+    """The layout of transformers' fused experts (Qwen3MoeExperts, MixtralExperts): every expert's weights stacked
+    in one Parameter, sliced per expert in forward."""
+
+    def __init__(self, experts=4, width=16, hidden=32):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * hidden, width) / width ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, width, hidden) / hidden ** 0.5)
+
+    def forward(self, x, top_index, top_weights):
+        out = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            rows, slot = torch.where(top_index == expert)
+            gate, up = nn.functional.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, rows, (y * top_weights[rows, slot, None]).to(out.dtype))
+        return out
+
+
+class ListExperts(nn.Module):
+    """Experts as a list of Linears: tuned as those Linears, each in any dtype, not as one unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        return sum(expert(x) for expert in self.experts)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router, self.experts, self.listed = nn.Linear(16, 4), TinyExperts(), ListExperts()
+
+    def forward(self, x):
+        top_weights, top_index = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.listed(self.experts(x, top_index, top_weights))
+
+
+def test_fused_experts_are_tuned_by_default_in_the_dtypes_that_cast_them():
+    """transformers' MoE layers hold their experts' weights stacked in 3-D Parameters, no nn.Linear: a 3-layer
+    Qwen3-MoE left 60 % of its weights untuned. They are one unit in bf16 / fp16 (no int8 technique takes them);
+    experts held as Linears are still tuned Linear by Linear."""
+    from autotune.config.tuning import TuningConfig
+    from autotune.discovery import search_candidates
+    from autotune.plan import apply_plan
+    model = TinyMoE().eval()
+    found = search_candidates(model, TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8", "bf16"])))
+    assert found == {"router": ["int8", "bf16", "fp32"], "experts": ["bf16", "fp32"],
+                     "listed.experts.0": ["int8", "bf16", "fp32"], "listed.experts.1": ["int8", "bf16", "fp32"]}
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    tuned = apply_plan(model, {"experts": "bf16"})
+    assert tuned.experts.inner.gate_up_proj.dtype == torch.bfloat16 and model.experts.gate_up_proj.dtype == torch.float32
+    with torch.no_grad():
+        expected, out = model(x), tuned(x)
+    assert out.dtype == torch.float32 and 0 < (out - expected).abs().max() < 0.05 * expected.abs().max()
+    # A module_types list of one's own leaves them out unless it names them.
+    assert "experts" not in tunable_modules(model, [MixedPrecisionConfig(module_types=["Linear"])])
+    assert "experts" in tunable_modules(model, [MixedPrecisionConfig(module_types=["FusedExperts"])])

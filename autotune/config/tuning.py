@@ -119,6 +119,9 @@ class ConfigModel(StrictModel, metaclass=_RaisesConfigError):
     """A config users build in Python: its constructor raises ConfigError naming each bad field's full path."""
 
 
+FUSED_EXPERTS = "FusedExperts"   # module_types' name for every fused-experts module (discovery.fused_experts)
+
+
 class MixedPrecisionConfig(ConfigModel):
     """Which dtypes may be tried, on which modules. Patterns are fnmatch globs on dotted module names."""
 
@@ -126,9 +129,11 @@ class MixedPrecisionConfig(ConfigModel):
     module_types: list[str] = Field(
         default_factory=lambda: ["Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                                  "ConvTranspose3d", "Conv1D", "LSTM", "GRU", "LSTMCell", "GRUCell",
-                                 "MultiheadAttention"], min_length=1,
+                                 "MultiheadAttention", FUSED_EXPERTS], min_length=1,
         description="class names (or dotted import paths) of the modules to tune; Conv1D is transformers' "
-                    "GPT-style projection; a MultiheadAttention is one unit with its projections")
+                    "GPT-style projection; a MultiheadAttention is one unit with its projections; FusedExperts is "
+                    "any mixture-of-experts module holding its experts' weights stacked (transformers' *Experts "
+                    "classes), tuned in bf16 / fp16")
     include: list[str] = Field(default_factory=list, description="only modules matching one of these")
     exclude: list[str] = Field(default_factory=list, description="never modules matching one of these")
 
