@@ -91,6 +91,32 @@ def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
     assert fidelity(result.model) >= 0.99
 
 
+def test_a_mixture_of_experts_experts_are_tuned_in_bf16_by_default(storage):
+    """transformers' MoE layers hold every expert's weights stacked in one Parameter (Qwen3MoeExperts, MixtralExperts):
+    no nn.Linear is left there, and the experts held 60 % of a small Qwen3-MoE's weights, untuned."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=500, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    batch = {"input_ids": torch.randint(1, 500, (4, 16), generator=torch.Generator().manual_seed(1))}
+    with torch.inference_mode():
+        reference = model(**batch).logits.flatten(1)
+
+    def fidelity(net):
+        with torch.inference_mode():
+            return torch.nn.functional.cosine_similarity(net(**batch).logits.flatten(1), reference).mean().item()
+
+    tuning = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
+                          tolerable_loss=0.01, max_trials=3, repeats=3, storage=storage)
+    experts = [f"model.layers.{layer}.mlp.experts" for layer in range(2)]
+    # bf16 at half of fp32's cost: what is shown is that the experts are searched, lowered and pass, not the timing.
+    result = autotune(model, tuning, fidelity, example_inputs=((), batch), measurer=HalfCostMeasurer(experts))
+    assert all(result.plan[name] == "bf16" for name in experts), result.plan
+    assert result.model.get_submodule(experts[0]).inner.gate_up_proj.dtype == torch.bfloat16
+    assert fidelity(result.model) >= 0.99
+
+
 class Features(UserDict):
     """transformers' BatchEncoding: a UserDict, not a dict, holding a tokenizer's output and more."""
 
