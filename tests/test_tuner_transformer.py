@@ -63,18 +63,24 @@ def test_mixed_plan_passes_where_all_int8_misses(encoder_and_eval, storage):
     assert winner[0].user_attrs["accuracy"] == pytest.approx(result.best.accuracy, abs=1e-6)
 
 
-def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
-    """GPT-2's attention and MLP projections are transformers' Conv1D, not nn.Linear: tuned all the same."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=500, n_positions=64, n_embd=128, n_layer=2, n_head=4)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    batch = {"input_ids": torch.randint(0, 500, (8, 32), generator=torch.Generator().manual_seed(1))}
+def logits_cosine(model, batch):
+    """An eval_fn: the mean cosine similarity of a language model's logits on `batch` to `model`'s."""
     with torch.inference_mode():
         reference = model(**batch).logits.flatten(1)
 
     def fidelity(net):
         with torch.inference_mode():
             return torch.nn.functional.cosine_similarity(net(**batch).logits.flatten(1), reference).mean().item()
+    return fidelity
+
+
+def test_gpt2_projections_are_tuned_in_int8_by_default(storage):
+    """GPT-2's attention and MLP projections are transformers' Conv1D, not nn.Linear: tuned all the same."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=500, n_positions=64, n_embd=128, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batch = {"input_ids": torch.randint(0, 500, (8, 32), generator=torch.Generator().manual_seed(1))}
+    fidelity = logits_cosine(model, batch)
 
     tuning = TuningConfig(engines=["eager"],
                           config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.01,
@@ -100,12 +106,7 @@ def test_a_mixture_of_experts_experts_are_tuned_in_bf16_by_default(storage):
                                          head_dim=16, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     batch = {"input_ids": torch.randint(1, 500, (4, 16), generator=torch.Generator().manual_seed(1))}
-    with torch.inference_mode():
-        reference = model(**batch).logits.flatten(1)
-
-    def fidelity(net):
-        with torch.inference_mode():
-            return torch.nn.functional.cosine_similarity(net(**batch).logits.flatten(1), reference).mean().item()
+    fidelity = logits_cosine(model, batch)
 
     tuning = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]),
                           tolerable_loss=0.01, max_trials=3, repeats=3, storage=storage)
