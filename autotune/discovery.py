@@ -173,12 +173,20 @@ def search_candidates(model: nn.Module, config: TuningConfig) -> dict[str, list[
 def unlowerable(model: nn.Module, candidates: dict[str, list[str]]) -> list[str]:
     """The candidates no technique takes in any dtype but fp32 on the configured device, logged by type: a module
     quantised already (torch.ao's dynamic Linear matches "Linear" by name) or one with integer weights stays as it
-    is, and without the warning a run that tuned nothing would read as one that found nothing faster."""
+    is, and so does one only casts take (a cell, a transposed convolution, fused experts) where the dtypes
+    configured are int8 alone. Without the warning a run that tuned nothing would read as one that found nothing
+    faster."""
     kept = [name for name, dtypes in candidates.items() if set(dtypes) <= {"fp32"}]
     if kept:
-        kinds = sorted({f"{kind.__module__}.{kind.__name__}" for kind in (type(model.get_submodule(n)) for n in kept)})
-        log.warning("%d of the %d tunable modules stay as they are: no technique lowers them (%s; quantised "
-                    "already, or weights not in floating point)", len(kept), len(candidates), ", ".join(kinds))
+        by_weights: dict[bool, set[str]] = {True: set(), False: set()}
+        for module in map(model.get_submodule, kept):
+            floating = any(parameter.is_floating_point() for parameter in module.parameters())
+            by_weights[floating].add(f"{type(module).__module__}.{type(module).__name__}")
+        why = {False: "quantised already, or weights not in floating point",
+               True: "no technique of the dtypes configured takes them: bf16 / fp16 casts do"}
+        log.warning("%d of the %d tunable modules stay as they are: no technique lowers them (%s)", len(kept),
+                    len(candidates), "; ".join(f"{', '.join(sorted(kinds))}: {why[floating]}"
+                                               for floating, kinds in by_weights.items() if kinds))
     return kept
 
 

@@ -117,9 +117,21 @@ def test_modules_quantised_already_are_named_as_left_as_they_are(caplog):
     with caplog.at_level(logging.WARNING, logger="autotune"):
         assert unlowerable(quantised, search_candidates(quantised, config)) == ["0", "2"]
     assert "2 of the 2 tunable modules stay as they are: no technique lowers them " \
-           "(torch.ao.nn.quantized.dynamic.modules.linear.Linear; quantised already" in caplog.text
+           "(torch.ao.nn.quantized.dynamic.modules.linear.Linear: quantised already" in caplog.text
     caplog.clear()
     assert unlowerable(float_model, search_candidates(float_model, config)) == [] and not caplog.text
+
+
+def test_modules_only_casts_take_are_named_so_where_int8_alone_is_configured(caplog):
+    """Fused experts and recurrent cells with int8 alone: they are not quantised already, as the warning said."""
+    from autotune.config.tuning import TuningConfig
+    from autotune.discovery import search_candidates, unlowerable
+    model = TinyMoE().eval()
+    config = TuningConfig(config_set=MixedPrecisionConfig(dtype=["int8"]))
+    with caplog.at_level(logging.WARNING, logger="autotune"):
+        assert unlowerable(model, search_candidates(model, config)) == ["experts"]
+    assert ("1 of the 4 tunable modules stay as they are: no technique lowers them (test_discovery.TinyExperts: no "
+            "technique of the dtypes configured takes them: bf16 / fp16 casts do)") in caplog.text, caplog.text
 
 
 class Stepped(nn.Module):
