@@ -238,7 +238,8 @@ def test_fused_experts_are_tuned_by_default_in_the_dtypes_that_cast_them():
                      "listed.experts.0": ["int8", "bf16", "fp32"], "listed.experts.1": ["int8", "bf16", "fp32"]}
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
     tuned = apply_plan(model, {"experts": "bf16"})
-    assert tuned.experts.inner.gate_up_proj.dtype == torch.bfloat16 and model.experts.gate_up_proj.dtype == torch.float32
+    assert tuned.experts.inner.gate_up_proj.dtype == torch.bfloat16
+    assert model.experts.gate_up_proj.dtype == torch.float32
     with torch.no_grad():
         expected, out = model(x), tuned(x)
     assert out.dtype == torch.float32 and 0 < (out - expected).abs().max() < 0.05 * expected.abs().max()

@@ -101,9 +101,10 @@ def test_a_mixture_of_experts_experts_are_tuned_in_bf16_by_default(storage):
     """transformers' MoE layers hold every expert's weights stacked in one Parameter (Qwen3MoeExperts, MixtralExperts):
     no nn.Linear is left there, and the experts held 60 % of a small Qwen3-MoE's weights, untuned."""
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=500, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    config = transformers.Qwen3MoeConfig(vocab_size=500, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         pad_token_id=0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     batch = {"input_ids": torch.randint(1, 500, (4, 16), generator=torch.Generator().manual_seed(1))}
     fidelity = logits_cosine(model, batch)
