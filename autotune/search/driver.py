@@ -71,11 +71,15 @@ class Patience:
         return self.fastest_passed or self.runner.stale + self.runner.unguided_in_flight >= self.limit
 
     @property
+    def fastest_plan_passed(self) -> bool:
+        """Whether the fastest predicted plan passed, as of the runner's last read."""
+        return self.runner.status_of(self.runner.space.fastest_plan()) is Status.PASSED
+
+    @property
     def fastest_passed(self) -> bool:
-        """Ranked by predicted latency, whether the fastest predicted plan passed as of the runner's last read. (A
-        worker ending its guided phase while another runs that plan starts trials, and stops at the next read.)"""
-        return (self.ranked_by_prediction
-                and self.runner.status_of(self.runner.space.fastest_plan()) is Status.PASSED)
+        """Ranked by predicted latency, whether the fastest predicted plan passed. (A worker ending its guided phase
+        while another runs that plan starts trials, and stops at the next read.)"""
+        return self.ranked_by_prediction and self.fastest_plan_passed
 
     def reason(self) -> str:
         if self.fastest_passed:
@@ -98,9 +102,9 @@ def run_search(runner: TrialRunner, config: TuningConfig, deadline: float,
     budget = Budget(config.max_trials, deadline, should_stop)
     patience = Patience(config.patience, runner, ranked_by_prediction=config.trial_timing == "predicted")
     run_guided(runner, budget)
-    if patience.fastest_passed:
-        return patience.reason()
-    if runner.status_of(runner.space.fastest_plan()) is Status.PASSED:
+    if patience.fastest_plan_passed:
+        if patience.ranked_by_prediction:
+            return FASTEST_PASSED
         log.info("the fastest predicted plan passed: the search goes on until %d trials (patience) find no plan "
                  "running faster timed in the whole model; trial_timing: predicted would end it here", config.patience)
     if runner.space.size <= EXHAUSTIVE_LIMIT:
