@@ -598,8 +598,9 @@ def test_a_search_ranking_by_predicted_latency_ends_once_the_fastest_predicted_p
     config = TuningConfig(engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]),
                           tolerable_loss=0.5, max_trials=20, patience=2, repeats=3, storage=storage,
                           trial_timing=trial_timing)
+    from autotune.storage.study import evaluated_trials
     result = autotune(model, config, fidelity_eval(model), example_inputs=INPUTS)
-    evaluated = [t for t in result.study.trials if t.user_attrs.get("evaluated")]
+    evaluated = evaluated_trials(result.study)
     assert evaluated[0].user_attrs["plan"] == {"0.0": "int8", "1.0": "int8", "2.0": "int8"}
     assert evaluated[0].user_attrs["passed"]
     if trial_timing == "predicted":
