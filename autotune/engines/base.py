@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize
 
 from autotune.backends.base import CallInputs
 from autotune.clone import clone
+from autotune.engines.recorded_outputs import recording_picklable
 from autotune.errors import AutotuneError, describe
 from autotune.plan import Plan
 
@@ -105,7 +106,8 @@ def save_module(built: nn.Module, path: str) -> None:
     """torch.save of `built`. torch.save refuses a module with parametrizations ("Serialization of parametrized
     modules is only supported through state_dict()": weight_norm's in Wav2Vec2's positional convolution, a user's
     orthogonal Linear), so such modules are saved holding what each parametrization computes, as a plain parameter
-    (remove_parametrizations, leave_parametrized=True): the same outputs, with nothing recomputed per call."""
+    (remove_parametrizations, leave_parametrized=True): the same outputs, with nothing recomputed per call.
+    transformers' output-capturing hooks are left out and installed again where it is loaded (recorded_outputs)."""
     if any(map(_parametrized, built.modules())):
         built = clone(built)
         for module in list(filter(_parametrized, built.modules())):
@@ -121,7 +123,8 @@ def save_module(built: nn.Module, path: str) -> None:
             for key in [key for key, hook in hooks.items()
                         if getattr(getattr(hook, "hook", hook), "__module__", None) == PARAMETRIZATIONS_MODULE]:
                 del hooks[key]
-    torch.save(built, path)
+    with recording_picklable(built):
+        torch.save(built, path)
 
 
 def _parametrized(module: nn.Module) -> bool:
