@@ -79,13 +79,12 @@ def recording_picklable(model: nn.Module) -> Iterator[None]:
     hook_tables: list[tuple[dict, dict]] = []
     marks: list[tuple[nn.Module, object]] = []
     for module in model.modules():
-        for kind in ("", "_pre"):
-            hooks = getattr(module, f"_forward{kind}_hooks", None) or {}
-            theirs = [key for key, hook in hooks.items() if getattr(hook, "__module__", None) == HOOKS_MODULE]
-            if theirs:
-                hook_tables.append((hooks, dict(hooks)))
-                for key in theirs:
-                    del hooks[key]
+        hooks = getattr(module, "_forward_hooks", None) or {}   # transformers registers no pre-hooks
+        theirs = [key for key, hook in hooks.items() if getattr(hook, "__module__", None) == HOOKS_MODULE]
+        if theirs:
+            hook_tables.append((hooks, dict(hooks)))
+            for key in theirs:
+                del hooks[key]
         if HOOKED_MARK in vars(module):
             marks.append((module, vars(module).pop(HOOKED_MARK)))
     held_before = vars(model).get(HELD_AS)   # a model loaded from such a file holds one already
