@@ -1750,6 +1750,49 @@ def test_compiled_finalists_are_called_until_they_compile_nothing_more_before_th
         unsettled.runnable(x)   # what the race met before
 
 
+class Gathered(nn.Module):
+    """Collects its layers' outputs in a list, each appended as it is computed (as feature pyramids do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        outs = [x]
+        outs.append(self.first(x))
+        outs.append(self.second(outs[-1]))
+        return torch.cat(outs, dim=-1)
+
+
+def test_a_compiled_finalist_that_compiles_again_at_every_call_is_left_out_with_dynamos_reason(caplog):
+    """An int8 module runs eagerly between compiled graphs (a graph break); called in the argument of `outs.append`,
+    dynamo guards the rest of the frame on that list's bound method, new at each call, so it compiles again at
+    every call. Raced, such a finalist times its compiles."""
+    from types import SimpleNamespace
+
+    from autotune.measure.shapes import Shape
+    from autotune.plan import apply_plan
+    from autotune.search.finalists import SETTLE_PASSES, BuildLimits, Finalist, _settled
+
+    x = torch.randn(4, 8)
+    found = {}
+    for name, plan in {"int8": {"first": "int8"}, "fp32": {}}.items():
+        built = apply_plan(Gathered().eval(), plan)
+        runnable = compile_model(built)
+        with torch.inference_mode():
+            runnable(x)   # its first call, as it was built
+        found[name] = Finalist(plan, "inductor", built, runnable, 1.0)
+    runner = SimpleNamespace(shapes=[Shape("example", ((x,), {}), 1.0)], study=SimpleNamespace(user_attrs={}))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        kept = _settled(found, runner, BuildLimits(None))
+    assert set(kept) == {"fp32"}
+    assert (f"int8 is left out: it compiled again in each of {SETTLE_PASSES} passes over every shape, as it would at "
+            f"every call (torch_dynamo_resume_in_forward_at_") in caplog.text
+    assert "test_engines.py:" in caplog.text and "got deallocated)" in caplog.text
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        kept["fp32"].runnable(x)   # settled: the race's calls compile nothing
+
+
 @torch.library.custom_op("autotune_tests::doubled", mutates_args=())
 def doubled(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -207,7 +209,7 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
                       name=name, compiling=limits if compiling else None)
     if not _settled({name: finalist}, runner, limits):
-        raise EngineUnavailable(f"{engine}: a call after its first failed")
+        raise EngineUnavailable(f"{engine}: it was left out after its first calls (the reason is logged above)")
     return finalist
 
 
@@ -487,9 +489,11 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
     another's next call into frames it has not run. On a MobileNet with int8 squeeze-excitation convolutions the
     race timed inductor finalists at up to 155x fp32's time that way, and never chose them. A finalist whose calls
     now fail (they did not at first: a size made dynamic) is compiled again for each shape apart
-    (_compiled_shape_by_shape), or, where that fails too, left out with its reason logged."""
+    (_compiled_shape_by_shape), or, where that fails too, left out with its reason logged. One that compiled again
+    in every pass compiles at every call, and is left out with dynamo's reason (_recompiling)."""
     compiled = {name: finalist for name, finalist in found.items() if finalist.runnable is not finalist.built}
     shapes = runner.shapes
+    recompiled: dict[str, list[str]] = {name: [] for name in compiled}   # each pass's reason it compiled again
     for _ in range(SETTLE_PASSES):
         compiling = False
         for name, finalist in list(compiled.items()):
@@ -500,8 +504,9 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
                         with torch.compiler.set_stance("fail_on_recompile"):
                             for shape in shapes:
                                 call(finalist.runnable, shape.inputs)
-                    except RuntimeError:   # it would compile: let it, and pass over all of them again
+                    except RuntimeError as again:   # it would compile: let it, and pass over all of them again
                         compiling = True
+                        recompiled[name].append(str(again))
                         for shape in shapes:
                             call(finalist.runnable, shape.inputs)
             except Exception as exc:   # compilers raise many kinds
@@ -516,7 +521,25 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
             finalist.setup_s += time.perf_counter() - started
         if not compiling:
             break
+    for name in compiled:
+        if len(recompiled[name]) == SETTLE_PASSES:
+            log.warning("%s is left out: %s", name, _recompiling(recompiled[name][-1]))
+            del found[name]
     return found
+
+
+def _recompiling(message: str) -> str:
+    """What a finalist compiling again at every call is said with: where and why dynamo compiled again, read from
+    the fail_on_recompile error `message`. On a UperNet the inductor engine's plan with int8 convolutions in its
+    pyramid pooling (each a graph break) compiled again at every call, as a graph break inside the argument of
+    `psp_outs.extend(...)` makes dynamo guard the rest of the frame on that list's bound method, a new object at
+    each call; raced, it ran 3.7x fp32's time, and any process deploying it would compile 256 times first."""
+    where = re.search(r"filename: '([^']*)', function name: '([^']*)', line number: (\d+)", message)
+    failures = re.findall(r"^\s*- [^:]*: (.*)$", message, re.MULTILINE)
+    said = f"{where[2]} at {os.path.basename(where[1])}:{where[3]}" if where else "a compiled frame"
+    because = f": {failures[-1]}" if failures else ""
+    return (f"it compiled again in each of {SETTLE_PASSES} passes over every shape, as it would at every call "
+            f"({said}{because})")
 
 
 def as_eval_fn_calls(runner: TrialRunner) -> AbstractContextManager:
