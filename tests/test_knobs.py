@@ -282,6 +282,37 @@ def test_a_finalist_and_its_twin_with_a_knob_that_keeps_every_value_cost_one_eva
     assert max(calls.count(plan) for plan in set(calls)) == 2   # a plan's trial, then one re-evaluation at most
 
 
+class AutocastRacesSecond(HalfCostMeasurer):
+    """A finalist with autocast runs at 0.35 of fp32, any other lowered one at 0.3."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        def ms(name):
+            return 10.0 if name == "fp32" else 3.5 if name.endswith("+autocast") else 3.0
+        return {name: LatencyStats(ms(name), 0.0, repeats) for name in models}
+
+
+def test_a_finalist_with_autocast_over_a_model_that_missed_costs_no_eval_fn_call(tmp_path):
+    """autocast runs more of the model in bf16: where the same finalist without it missed in its re-evaluation, the
+    one with it would miss too (a U-Net's uniform int8 and its autocast twin each cost a call to miss by 4 %)."""
+    from autotune.plan import plan_key, plan_of
+    model, calls = conv_bn(), []
+
+    def eval_fn(net):
+        plan = plan_key(plan_of(net, ["0", "4"]))
+        calls.append(plan)
+        return 1.0 if "bf16" not in plan or calls.count(plan) == 1 else 0.0   # a plan passes once, then misses
+    config = TuningConfig(engines=["eager"], knobs=["autocast"],
+                          config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
+                          max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="lower")
+    result = autotune(model, config, eval_fn, X, measurer=AutocastRacesSecond(["0", "4"]))
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
+    cast = next(name for name in evaluated if name.endswith(" +autocast"))
+    base = cast.removesuffix(" +autocast")
+    assert evaluated[base].startswith("missed")
+    assert evaluated[cast] == f"not evaluated: it computes what {base}'s did, lower in precision still"
+    assert max(calls.count(plan) for plan in set(calls)) == 2 and result.plan == {"0": "fp32", "4": "fp32"}
+
+
 def patch_embedded() -> nn.Module:
     """A ViT's shape: one patch convolution, then Linears that take most of the time."""
     torch.manual_seed(0)

@@ -206,6 +206,11 @@ class _Verdicts:
             log.info("%s is not evaluated: its model computes what %s's did", name, self.rejected[numerics])
             self.note(name, f"not evaluated: its model computes what {self.rejected[numerics]}'s did")
             return None
+        if (lowered := _lowering_more(finalist)) and (under := self.rejected.get(_numerics(finalist, lowered))):
+            log.info("%s is not evaluated: it computes what %s's did with %s on top, lower in precision still",
+                     name, under, " ".join(f"+{knob}" for knob in lowered))
+            self.note(name, f"not evaluated: it computes what {under}'s did, lower in precision still")
+            return None
         if numerics in self.passed:   # a twin of one that passed, then ran no faster timed again
             return self.passed[numerics]
         self.rejected[numerics] = name    # until it passes
@@ -277,13 +282,20 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
                   finalist.setup_s, finalist.knobs, name), rival_ratio
 
 
-def _numerics(finalist: Finalist) -> tuple:
+def _numerics(finalist: Finalist, without: tuple[str, ...] = ()) -> tuple:
     """Finalists with equal keys score alike, to the rounding compiling changes: their `built` models are one
     plan built by one build method (the search itself judged plans eagerly) with the same knobs, but for knobs that
     keep every value (channels_last: a MobileNet's int8 finalist and its channels_last twin each cost an eval_fn
-    call to miss by the same score)."""
-    changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values)
+    call to miss by the same score). `without`: the key of the finalist's model without those knobs."""
+    changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values and name not in without)
     return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing, _compiled_in_half(finalist)
+
+
+def _lowering_more(finalist: Finalist) -> tuple[str, ...]:
+    """The finalist's knobs that run its model's matmuls in a lower dtype (autocast): where its model without them
+    missed, it misses too, as the search assumes of a plan lowering more modules. On a U-Net, uniform int8 in the
+    inductor engine missed by 4 tolerances, and its autocast twin then cost an eval_fn call to miss by as much."""
+    return tuple(name for name in finalist.knobs if KNOBS[name].runs_in(finalist.built) is not None)
 
 
 def _compiled_in_half(finalist: Finalist) -> bool:
