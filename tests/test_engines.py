@@ -810,6 +810,45 @@ def test_a_compiling_engine_gets_the_uniform_plans_the_eager_search_pruned(tmp_p
     assert "uniform int8 (compiled)" in result.study.user_attrs["autotune.finalist_setup_s"]
 
 
+class MixedFastestEagerly(HalfCostMeasurer):
+    """The first Linear fastest in bf16, the others in int8, eagerly (alone and in the whole model: the fastest plan
+    mixes dtypes); a compiled model runs fastest of all."""
+
+    COSTS = {"0": {"int8": 0.6, "bf16": 0.4, "fp32": 1.0}, "2": {"int8": 0.4, "bf16": 0.6, "fp32": 1.0},
+             "4": {"int8": 0.4, "bf16": 0.6, "fp32": 1.0}}
+
+    def module_latency(self, fp32, candidates, inputs, calibration):
+        return {name: self.COSTS[name] for name in candidates}
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        from autotune.plan import plan_of
+
+        def ms(model):
+            if is_compiled(model):
+                return 0.5
+            return sum(self.COSTS[name][dtype] for name, dtype in plan_of(model, list(self.COSTS)).items())
+        return {name: LatencyStats(ms(model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_the_compiled_engine_gets_the_int8_part_of_a_fastest_plan_mixing_dtypes(tmp_path):
+    """No passing trial holds int8 alone and uniform int8 missed by far, so the engine with int8 kernels of its own
+    (pt2e's) had no plan to build; the fastest passing plan's int8 modules alone are one (on a ConvNeXt: 0.35x fp32,
+    where the eager winner ran 0.51x)."""
+    from autotune.plan import plan_of
+
+    def eval_fn(net):   # the last Linear cannot take int8 or bf16
+        return 1.0 if is_compiled(net) or plan_of(net, ["4"])["4"] == "fp32" else 0.0
+    settings = config(tmp_path, engines=["eager", "compiled"], max_trials=8,
+                      config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]))
+    result = autotune(mlp(), settings, eval_fn, batches(1)[0][0][0], measurer=MixedFastestEagerly())
+    best = result.study.user_attrs["autotune.best"]
+    mixed = next(t for t in result.study.trials if t.user_attrs.get("plan") == {"0": "bf16", "2": "int8", "4": "fp32"})
+    assert mixed.user_attrs["passed"]   # the fastest passing trial
+    assert result.engine == "compiled" and result.plan == {"0": "fp32", "2": "int8", "4": "fp32"}
+    assert best["finalist"] == f"trial {mixed.number}, int8 alone (compiled)"
+    assert f"trial {mixed.number}, int8 alone" in result.study.user_attrs["autotune.finalist_ratio"]   # eager too
+
+
 class Int8HopelessEagerly(Int8PaysOnlyCompiled):
     """int8 modules at 2.5x their fp32 time eagerly: past what any engine running eager modules can win back."""
 
