@@ -29,7 +29,8 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     so the winner is never slower than the best uniform dtype in the re-timing (trial timings on a noisy host can rank
     them wrong). Chosen per engine: the fastest eager plans may hold dtypes a compiled engine cannot realise.
 
-    Each engine but inductor also gets the fastest passing trial's parts of one dtype (dtype_parts) it can realise.
+    The eager and compiled engines also get the fastest passing trial's parts of one dtype (dtype_parts) they can
+    realise.
     Every engine also gets each plan of `uniform` (uniform_finalists) it can realise (an engine building plans as
     the trials ran them, those they did not evaluate): the search predicts costs from modules timed alone, which
     misses what they do to their neighbours (on MiniLM three bf16 modules predicted faster than int8 made the
@@ -44,7 +45,7 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     known = {plan_key(plan) for plan in plans.values()}
     if builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
         known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
-    if engine.name == "eager" or not builds_as_trials(engine):   # the inductor engine: a compile each, see below
+    if engine.name == "eager" or not (builds_as_trials(engine) or engine.lowers_unplanned):   # see dtype_parts
         for name, plan in dtype_parts(runner).items():
             if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
                 plans[name] = plan
@@ -72,9 +73,11 @@ def dtype_parts(runner: TrialRunner) -> dict[str, Plan]:
     for each dtype, where it mixes several ({"trial 8, int8 alone": plan}). Lowering fewer modules, each keeps the
     tolerance as the search assumes (its re-evaluation checks), and timed alone the dtypes' modules missed what they
     do to each other: on a ConvNeXt the search's best, bf16×12 int8×26 fp32×3, ran at 0.53x fp32 eagerly, its int8
-    modules alone at 0.41x, and no engine realising int8 only (pt2e's kernels) got a plan to build. Not in the
-    inductor engine, where each costs a compile: its int8 modules run eagerly between graphs, as the eager engine
-    times them."""
+    modules alone at 0.41x, and no engine realising int8 only (pt2e's kernels) got a plan to build. Each costs a
+    compile in an engine that compiles, so they go to the eager engine and the compiled one: not to inductor, whose
+    int8 modules run eagerly between graphs, as the eager engine times them, nor to lowp, which runs the whole model
+    in bf16, broken by a part's fp32 modules (on a Swin, ConvNeXt and U-Net its bf16 part raced at 1.04-1.65x the time
+    of lowp's fastest other finalist, after 7-33 s of compiling)."""
     passing = [t for t in studies.passing_trials(runner.study) if not is_baseline(studies.trial_plan(t))]
     if not passing:
         return {}
