@@ -1,13 +1,15 @@
 """Model-level knobs: each says where it applies, leaves the given model alone, keeps the numerics; the tuner
 tries them on the finalists, keeps one only where it is re-timed faster, and export / apply rebuild it."""
 import json
+import logging
+import re
 import typing
 
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import HalfCostMeasurer, export_then_apply, fidelity
+from conftest import HalfCostMeasurer, export_then_apply, fidelity, is_compiled
 from torch import nn
 
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
@@ -311,6 +313,33 @@ def test_a_finalist_with_autocast_over_a_model_that_missed_costs_no_eval_fn_call
     assert evaluated[base].startswith("missed")
     assert evaluated[cast] == f"not evaluated: it computes what {base}'s did, lower in precision still"
     assert max(calls.count(plan) for plan in set(calls)) == 2 and result.plan == {"0": "fp32", "4": "fp32"}
+
+
+class CompiledIsHopeless(HalfCostMeasurer):
+    """Every compiled model runs 2.5x fp32's time, an eager plan at half of it."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        def ms(name, model):
+            return 25.0 if is_compiled(model) else 10.0 if name == "fp32" else 5.0
+        return {name: LatencyStats(ms(name, model), 0.0, repeats) for name, model in models.items()}
+
+
+def test_no_knob_is_tried_in_an_engine_whose_fastest_finalist_ran_twice_fp32s_time(tmp_path, caplog):
+    """A knob changes a layout, folds a layer or casts matmuls: none wins back half the time (on an EfficientNet
+    every inductor finalist ran 30x fp32's time, and its knobs cost 42 s of compiling)."""
+    model = conv_bn()
+    config = TuningConfig(engines=["eager", "inductor"], knobs=["channels_last"],
+                          config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
+                          max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="hopeless",
+                          compile_cache=None)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, fidelity(model, X), X, measurer=CompiledIsHopeless(["0", "4"]))
+    built = result.study.user_attrs["autotune.finalist_setup_s"]
+    assert any(name.endswith(" +channels_last") and "(inductor)" not in name for name in built)   # eager's
+    assert not any("(inductor) +" in name for name in built)
+    assert re.search(r"channels_last is not tried in the inductor engine: its fastest finalist, .* \(inductor\), "
+                     r"ran 2\.5x fp32's time in a heat", caplog.text)
+    assert result.engine == "eager"
 
 
 def patch_embedded() -> nn.Module:

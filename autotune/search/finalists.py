@@ -32,6 +32,7 @@ from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.memory import BuildMemory
+from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.model_call import call, entry_paths
@@ -328,18 +329,20 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
             building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
 
 
-def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan]:
-    """The finalist of one engine its knobs are tried on, by name, and its plan: where the engine compiles, the
-    fastest of its (settled) finalists timed together, in at most HEAT_ROUNDS rounds; else the first, the fastest
-    passing trial. The search ranks plans by their eager timing, which says little of a plan compiled: on a
-    MobileNet the inductor engine's fastest trial plan (its int8 modules each a graph break) raced at 1.06x fp32's
-    time where its uniform bf16 plan raced at 0.49x, and the knobs went to the former."""
+def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan, float | None]:
+    """The finalist of one engine its knobs are tried on, by name, its plan, and its ratio to fp32 in the heat that
+    chose it (None where none was timed): where the engine compiles, the fastest of its (settled) finalists timed
+    together, in at most HEAT_ROUNDS rounds (one alone too: its ratio says whether knobs can pay, `_knobbed`); else
+    the first, the fastest passing trial. The search ranks plans by
+    their eager timing, which says little of a plan compiled: on a MobileNet the inductor engine's fastest trial plan
+    (its int8 modules each a graph break) raced at 1.06x fp32's time where its uniform bf16 plan raced at 0.49x, and
+    the knobs went to the former."""
     first = next(iter(built))
-    if len(built) == 1 or all(finalist.runnable is finalist.built for finalist in built.values()):
-        return first, built[first].plan
+    if all(finalist.runnable is finalist.built for finalist in built.values()):
+        return first, built[first].plan, None
     _, ratio = race(runner, {name: finalist.runnable for name, finalist in built.items()}, HEAT_ROUNDS)
     fastest = min(built, key=ratio.get)
-    return fastest, built[fastest].plan
+    return fastest, built[fastest].plan, ratio[fastest]
 
 
 def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
@@ -363,7 +366,15 @@ def _knobbed(engine: Engine, knobs: list[str], built: dict[str, Finalist], runne
     if engine.name != "eager" and (stop := limits.stop_reason(engine.name)):
         log.warning("%s: %s is not tried in the %s engine", stop, ", ".join(knobs), engine.name)
         return {}
-    return _with_knobs(engine, knobs, _knob_base(built, runner), runner, cache, failed, limits)
+    name, plan, ratio = _knob_base(built, runner)
+    if ratio is not None and ratio >= HOPELESS_RATIO:
+        # Knobs change layouts, fold a layer or cast matmuls: none wins back half the time. On an EfficientNet every
+        # inductor finalist ran 30x fp32's time (inductor made its pooler's 1280-wide AvgPool2d, over a 5x5 map, a
+        # 1280x1280 loop per output) and its three knobs cost 42 s of compiling, and 2 s a call to settle and race.
+        log.warning("%s is not tried in the %s engine: its fastest finalist, %s, ran %.1fx fp32's time in a heat",
+                    ", ".join(knobs), engine.name, name, ratio)
+        return {}
+    return _with_knobs(engine, knobs, (name, plan), runner, cache, failed, limits)
 
 
 def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner: TrialRunner,
