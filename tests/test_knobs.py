@@ -252,12 +252,16 @@ def test_a_compiling_engine_tries_its_knobs_on_its_fastest_finalist_as_compiled(
     assert eager_base.startswith("trial ")   # the eager engine's first finalist: the fastest passing trial
 
 
-class ChannelsLastIsFastest(HalfCostMeasurer):
-    """A finalist with channels_last runs at 0.3 of fp32, any other lowered one at 0.5."""
+class KnobTimed(HalfCostMeasurer):
+    """fp32 at 10 ms, a finalist with `knob` at `knob_ms`, any other lowered one at `other_ms`."""
+
+    def __init__(self, names, knob: str = "channels_last", knob_ms: float = 3.0, other_ms: float = 5.0):
+        super().__init__(names)
+        self.knob, self.knob_ms, self.other_ms = knob, knob_ms, other_ms
 
     def latency(self, models, inputs, repeats, warmup=None):
         def ms(name):
-            return 10.0 if name == "fp32" else 3.0 if name.endswith("+channels_last") else 5.0
+            return 10.0 if name == "fp32" else self.knob_ms if name.endswith(f"+{self.knob}") else self.other_ms
         return {name: LatencyStats(ms(name), 0.0, repeats) for name in models}
 
 
@@ -276,21 +280,12 @@ def test_a_finalist_and_its_twin_with_a_knob_that_keeps_every_value_cost_one_eva
     config = TuningConfig(engines=["eager"], knobs=["channels_last"],
                           config_set=MixedPrecisionConfig(dtype=["int8", "fp32"]), tolerable_loss=0.2,
                           max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="twins")
-    result = autotune(model, config, eval_fn, X, measurer=ChannelsLastIsFastest(["0", "4"]))
+    result = autotune(model, config, eval_fn, X, measurer=KnobTimed(["0", "4"]))
     evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
     twin = next(name for name in evaluated if name.endswith(" +channels_last"))
     assert evaluated[twin].startswith("missed")
     assert evaluated[twin.removesuffix(" +channels_last")] == f"not evaluated: its model computes what {twin}'s did"
     assert max(calls.count(plan) for plan in set(calls)) == 2   # a plan's trial, then one re-evaluation at most
-
-
-class AutocastRacesSecond(HalfCostMeasurer):
-    """A finalist with autocast runs at 0.35 of fp32, any other lowered one at 0.3."""
-
-    def latency(self, models, inputs, repeats, warmup=None):
-        def ms(name):
-            return 10.0 if name == "fp32" else 3.5 if name.endswith("+autocast") else 3.0
-        return {name: LatencyStats(ms(name), 0.0, repeats) for name in models}
 
 
 def test_a_finalist_with_autocast_over_a_model_that_missed_costs_no_eval_fn_call(tmp_path):
@@ -306,7 +301,7 @@ def test_a_finalist_with_autocast_over_a_model_that_missed_costs_no_eval_fn_call
     config = TuningConfig(engines=["eager"], knobs=["autocast"],
                           config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]), tolerable_loss=0.2,
                           max_trials=4, storage=f"sqlite:///{tmp_path}/t.db", study_name="lower")
-    result = autotune(model, config, eval_fn, X, measurer=AutocastRacesSecond(["0", "4"]))
+    result = autotune(model, config, eval_fn, X, measurer=KnobTimed(["0", "4"], "autocast", 3.5, 3.0))
     evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
     cast = next(name for name in evaluated if name.endswith(" +autocast"))
     base = cast.removesuffix(" +autocast")
@@ -349,7 +344,7 @@ def patch_embedded() -> nn.Module:
                          nn.Linear(32, 4)).eval()
 
 
-class ConvCosts(ChannelsLastIsFastest):
+class ConvCosts(KnobTimed):
     """The convolution timed alone at `conv_ms` in fp32, each Linear at 10 ms; a finalist with channels_last would
     race fastest."""
 
