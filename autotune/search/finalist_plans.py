@@ -45,14 +45,12 @@ def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]
     known = {plan_key(plan) for plan in plans.values()}
     if builds_as_trials(engine):   # an evaluated plan is a finalist above by its outcome or not
         known |= {studies.trial_plan_key(t) for t in studies.evaluated_trials(runner.study)}
-    if engine.name == "eager" or not (builds_as_trials(engine) or engine.lowers_unplanned):   # see dtype_parts
-        for name, plan in dtype_parts(runner).items():
-            if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
-                plans[name] = plan
-                known.add(plan_key(plan))
-    for dtype, plan in uniform.items():
+    takes_parts = engine.name == "eager" or not (builds_as_trials(engine) or engine.lowers_unplanned)  # dtype_parts
+    more = {**(dtype_parts(runner) if takes_parts else {}), **{f"uniform {d}": plan for d, plan in uniform.items()}}
+    for name, plan in more.items():
         if plan_key(plan) not in known and engine.unsupported(plan, runner.fp32) is None:
-            plans[f"uniform {dtype}"] = plan
+            plans[name] = plan
+            known.add(plan_key(plan))
     return plans
 
 
