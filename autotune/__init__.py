@@ -23,6 +23,7 @@ if TYPE_CHECKING:
                                    EvalFunctionError,
                                    NoTunableModulesError,
                                    PlanError,
+                                   SaveError,
                                    StudyMismatchError,
     )
     from autotune.measure import LatencyStats, Measurer
@@ -34,7 +35,7 @@ __all__ = ["autotune", "TuningConfig", "MixedPrecisionConfig", "LatencyInput", "
            "Measurement", "LatencyStats", "Measurer", "Plan", "apply_plan", "plan_of", "Technique", "CastConfig",
            "Int8DynamicLinearConfig", "Int8StaticConv2dConfig", "register_technique", "unregister_technique",
            "AutotuneError", "ConfigError", "EvalFunctionError", "NoTunableModulesError", "PlanError",
-           "StudyMismatchError"]
+           "SaveError", "StudyMismatchError"]
 _MODULE_OF = {"autotune": "autotune.tuner", "TuningResult": "autotune.result", "Measurement": "autotune.result",
               **dict.fromkeys(["TuningConfig", "MixedPrecisionConfig", "LatencyInput", "load_config"],
                               "autotune.config"),
@@ -43,7 +44,7 @@ _MODULE_OF = {"autotune": "autotune.tuner", "TuningResult": "autotune.result", "
               **dict.fromkeys(["Technique", "CastConfig", "Int8DynamicLinearConfig", "Int8StaticConv2dConfig",
                                "register_technique", "unregister_technique"], "autotune.backends"),
               **dict.fromkeys(["AutotuneError", "ConfigError", "EvalFunctionError", "NoTunableModulesError",
-                               "PlanError", "StudyMismatchError"], "autotune.errors")}
+                               "PlanError", "SaveError", "StudyMismatchError"], "autotune.errors")}
 
 def __getattr__(name: str) -> Any:
     if name not in _MODULE_OF:

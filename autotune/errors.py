@@ -142,3 +142,8 @@ class StudyMismatchError(AutotuneError):
 
 class EvalTimeoutError(AutotuneError):
     """eval_fn ran past the per-trial timeout (TuningConfig.trial_timeout)."""
+
+
+class SaveError(AutotuneError, ValueError):
+    """A tuned model cannot be written: a file name its engine's loader cannot read, or a model torch refuses to
+    write (parametrizations where the engine pickles, a namedtuple output where it exports)."""

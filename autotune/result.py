@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import optuna
 from torch import nn
 
+from autotune.backends.base import CallInputs
+from autotune.engines.saving import save_built
+from autotune.errors import SaveError
 from autotune.measure.latency import UNCERTAIN_RATIO, LatencyStats
 from autotune.plan import Plan, summarize
 from autotune.storage.study import score_name
@@ -18,6 +22,11 @@ MEDIANS_DISAGREE = ("the medians {where} disagree with the speedup: it is the me
                     "the {what} timed in each round, which a busy host's swings leave alone")
 NOISE_KEY = "speedup_noise"   # in a study's `best`: how far off its speedup may be, where its timing was noisy
 BUSY_KEY = "timed_busy"       # in a study's `best`: true where other processes kept the CPUs busy as it was timed
+
+
+class SavedModel(NamedTuple):
+    path: str         # the file written
+    loads_with: str   # how to load it ("torch.load(path, weights_only=False), where autotune is importable ...")
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,23 @@ class TuningResult:
     held: str = "fp32"       # the dtype the model was handed over in: what the baseline and the plan's "fp32" hold
     stopped: str | None = None   # why the search stopped, where the summary says it (the CLI says it as it stops)
     failed: str = ""         # how many evaluated trials failed and why (storage.study.failures_said); "" if none
+    built: nn.Module | None = field(default=None, repr=False)   # `model` before compiling (save writes it); None: model
+    example: CallInputs | None = field(default=None, repr=False)   # one call's inputs (the compiled engine exports)
+
+    def save(self, path: str) -> SavedModel:
+        """Writes the tuned model to `path` as `autotune apply` does, in its engine's way (the compiled engine's
+        exported graph, for torch.export.load; the others' module, for torch.load: parametrizations such as weight_norm
+        held as the weights they compute, transformers' output-capturing hooks installed again where it loads). With
+        no suffix, `path` gets its engine's (.pt2 or .pt). Returns the path written and how to load it.
+
+        Raises:
+            SaveError: a suffix the engine's loader cannot read, or torch refusing to write the model.
+        """
+        if self.example is None:
+            raise SaveError("this result holds no inputs to write its model with")
+        written, loads_with = save_built(self.built if self.built is not None else self.model, self.engine,
+                                         self.example, path)
+        return SavedModel(written, loads_with)
 
     def __call__(self, *args, **kwargs):
         raise TypeError("autotune returns a TuningResult, not the model: call result.model (INC's autotune returns "

@@ -455,7 +455,8 @@ def finish(runner: TrialRunner, started: float, stopped: str | None = None,
         best=Measurement(winner.accuracy, first["best"], weight_bytes(winner.model)),
         eval_calls=runner.eval_calls, trials_evaluated=len(studies.evaluated_trials(study)),
         wall_time_s=time.monotonic() - started, engine=winner.engine, shapes=shapes, knobs=winner.knobs,
-        held=runner.kept, stopped=stopped, failed=studies.failures_said(study))
+        held=runner.kept, stopped=stopped, failed=studies.failures_said(study), built=winner.built,
+        example=runner.batches[0])
     noisy, recorded_with = result.noisy_shapes(), studies.recorded_with(result.trials_evaluated, runner.config)
     busy = result.contended_shapes()
     if not winner.recorded and (still_ours is None or still_ours()):   # a recorded best keeps its figures

@@ -24,6 +24,7 @@ from torch import nn
 from autotune import MixedPrecisionConfig, TuningConfig, autotune
 from autotune.cli import main
 from autotune.engines import Calibration, CompiledEngine, EngineUnavailable, compile_model, get_engine, realise
+from autotune.errors import SaveError
 from autotune.measure import LatencyStats
 
 pytest.importorskip("torchao")
@@ -525,6 +526,12 @@ def test_a_compiled_winner_round_trips_through_export_and_apply(tmp_path, monkey
     x = torch.randn(7, 32)
     with torch.no_grad():
         assert torch.allclose(rebuilt(x), result.model(x), rtol=1e-3, atol=1e-3)
+    # The result saves itself as apply does: the suffix its engine saves with, and how to load it.
+    saved = result.save(str(tmp_path / "from-python"))
+    assert saved.path == str(tmp_path / "from-python.pt2") and "torch.export.load" in saved.loads_with
+    assert weight_of_each_linear(torch.export.load(saved.path).module()) == result.plan
+    with pytest.raises(SaveError, match="torch.load cannot read: name it m.pt2"):
+        result.save(str(tmp_path / "m.pt"))
 
 
 NAMED_OUTPUT = """import collections
@@ -1398,6 +1405,26 @@ def test_a_parametrized_module_is_saved_holding_the_weight_it_computes(tmp_path,
     assert not any("parametrizations" in name for name, _ in loaded.named_modules())
     assert nn.utils.parametrize.is_parametrized(built[2]) and nn.utils.parametrize.is_parametrized(model[4])
     assert torch.equal(built(x), built(x))    # `built` keeps its parametrizations working
+
+
+def test_a_result_holding_a_parametrized_module_saves_where_torch_save_refuses_it(tmp_path):
+    """`torch.save(result.model)` refuses a model holding weight_norm (Wav2Vec2's positional convolution) or a
+    user's orthogonal Linear; `result.save` writes what `autotune apply` writes, from Python, with no plan file."""
+    model = mlp()
+    nn.utils.parametrizations.weight_norm(model[4])
+    tuning = config(tmp_path, engines=["eager"], config_set=MixedPrecisionConfig(dtype=["int8", "fp32"], exclude=["4"]))
+    result = autotune(model, tuning, fidelity(model), measurer=HalfCostMeasurer(["0", "2"]),
+                      example_inputs=batches(1)[0][0][0])
+    assert result.engine == "eager" and "int8" in result.plan.values()
+    with pytest.raises(RuntimeError, match="parametrized modules"):
+        torch.save(result.model, tmp_path / "plain.pt")
+    saved = result.save(str(tmp_path / "tuned"))
+    assert saved.path == str(tmp_path / "tuned.pt") and saved.loads_with.startswith("torch.load(path")
+    loaded = torch.load(saved.path, weights_only=False)
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), result.model(x))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tuned")) == ["tuned.pt"]
 
 
 @torch.compiler.disable

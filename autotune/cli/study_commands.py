@@ -40,12 +40,11 @@ from autotune.engines import (
     ENTRIES,
     KNOBS,
     Calibration,
-    get_engine,
     realise,
-    why_not_written,
     with_knobs,
 )
-from autotune.errors import PlanError, did_you_mean, listed
+from autotune.engines.saving import save_built, saved_model_path
+from autotune.errors import PlanError, SaveError, did_you_mean, listed
 from autotune.interrupts import HELPER_FLAG, interrupts
 from autotune.model_call import entry_paths
 from autotune.plan import Plan, plan_id, summarize, validate_plan
@@ -385,36 +384,15 @@ def apply_command(plan_path: str, config_path: str, out: str) -> None:
     """Re-apply a saved PLAN to the config's model; save it."""
     out = saved_model_path(out, read_plan(plan_path).engine)    # checked before the plan is built
     applied = apply_saved_plan(load_config(config_path), plan_path)
-    partial = Path(out).with_name(Path(out).name + ".partial")   # a file cut short is never left at `out`
     try:
-        loads_with = get_engine(applied.engine).save(applied.built, applied.batches[0], str(partial))
-    except Exception as exc:   # torch.save and torch.export.save refuse some models, each its own way
-        partial.unlink(missing_ok=True)
-        raise CliError(f"cannot save the model in the {applied.engine} engine: {why_not_written(exc)}"
-                       + ("; or apply the plan in another engine (its `engine:`)" if applied.engine == "compiled"
-                          else "")) from None
-    partial.replace(out)
+        out, loads_with = save_built(applied.built, applied.engine, applied.batches[0], out)
+    except SaveError as exc:
+        raise CliError(str(exc) + ("; or apply the plan in another engine (its `engine:`)"
+                                   if applied.engine == "compiled" else "")) from None
     knobs = f" with {', '.join(applied.knobs)}" if applied.knobs else ""
     plan = summarize(applied.plan, held_dtype(applied.fp32))
     click.echo(f"wrote {out}: {type(applied.fp32).__name__} with {plan} in the {applied.engine} engine{knobs}; load it "
                f"with {loads_with}")
-
-
-def saved_model_path(out: str, engine: str) -> str:
-    """`out`, given the suffix the engine saves with where it has none (`.pt2`: the compiled engine's exported
-    graph, for torch.export.load; `.pt`: the others' torch.save); a suffix the engine's loader cannot read is an
-    error, since which engine wins differs from machine to machine."""
-    if not Path(out).suffix:
-        return out + (".pt2" if engine == "compiled" else ".pt")
-    if Path(out).suffix == ".pt2" and engine != "compiled":
-        raise CliError(f"{out}: the {engine} engine saves the model with torch.save, which torch.export.load cannot "
-                       f"read: name it {Path(out).with_suffix('.pt').name}, or give no suffix and let the engine "
-                       "pick it (.pt2 is for the compiled engine's exported graph)")
-    if Path(out).suffix != ".pt2" and engine == "compiled":    # a .pt, which a user hands to torch.load
-        raise CliError(f"{out}: the compiled engine saves the model as a torch.export graph, which torch.load cannot "
-                       f"read: name it {Path(out).with_suffix('.pt2').name} (torch.export.load reads it), or give "
-                       "no suffix and let the engine pick it")
-    return out
 
 
 @dataclass(frozen=True)

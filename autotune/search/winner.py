@@ -45,6 +45,7 @@ class Winner:
     knobs: tuple[str, ...] = ()                    # model-level knobs it runs with
     name: str = "fp32"                             # its finalist's name ("trial 12 (inductor) +fold_bn")
     recorded: bool = False                         # the study's recorded best, built again (_recorded_winner)
+    built: nn.Module | None = None                 # `model` before compiling, what its engine saves; None: `model`
 
 
 def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winner:
@@ -279,7 +280,7 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
     ratio = weighted_ratio(ratios_to_fp32(by_shape, name), runner.shapes)
     rival_ratio = 1.0 if rival is None else weighted_ratio(ratios_to_fp32(by_shape, rival.name), runner.shapes)
     return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name), ratio,
-                  finalist.setup_s, finalist.knobs, name), rival_ratio
+                  finalist.setup_s, finalist.knobs, name, built=finalist.built), rival_ratio
 
 
 def _numerics(finalist: Finalist, without: tuple[str, ...] = ()) -> tuple:
