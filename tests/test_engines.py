@@ -939,9 +939,9 @@ def test_no_finalist_starts_compiling_where_the_timeout_is_nearer_than_its_engin
         result = autotune(model, settings, fidelity(model), x, measurer=CompiledIsFaster())
     compiled = [name.rsplit(" ", 1)[1] for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(" in name]
     assert compiled == ["(inductor)", "(compiled)"]    # the first of each, the inductor engine's first, then none
-    for engine in ("compiled", "inductor"):
-        assert re.search(rf"the run's timeout is nearer than the {engine} engine's longest compile so far "
-                         rf"\(10\d\d s\): \d+ more finalists of the {engine} engine are not built", caplog.text)
+    # (the inductor engine's other plans hold int8, which the compiled engine's finalist runs: never built)
+    assert re.search(r"the run's timeout is nearer than the compiled engine's longest compile so far "
+                     r"\(10\d\d s\): \d+ more finalists of the compiled engine are not built", caplog.text)
 
 
 def compiled_finalists(monkeypatch) -> list[str]:
@@ -976,8 +976,8 @@ def test_with_a_timeout_every_compiling_engine_builds_its_first_finalist_before_
     assert compiled[0] == "fp32 (inductor)" and [name.rsplit(" ", 1)[1] for name in compiled] == ["(inductor)",
                                                                                                   "(compiled)"]
     assert "autotune.engines_dropped" not in result.study.user_attrs
+    # (the inductor engine's other plans hold int8, which the compiled engine's finalist runs: never built)
     assert "more finalists of the compiled engine are not built" in caplog.text
-    assert "more finalists of the inductor engine are not built" in caplog.text
 
 
 def test_no_compiling_finalist_starts_where_less_memory_is_left_than_a_build_took(tmp_path, caplog, monkeypatch):
@@ -1156,12 +1156,13 @@ def test_a_finalist_compiling_far_longer_than_its_engines_first_is_stopped_and_l
     built = result.study.user_attrs["autotune.finalist_setup_s"]
     assert [name for name in built if name.endswith("(inductor)")] == ["fp32 (inductor)"], built
     assert "autotune.engines_dropped" not in result.study.user_attrs
-    first = built["fp32 (inductor)"]
+    # its build as logged: the study's figure adds the calls that settled it
+    first = float(re.search(r"finalist fp32 \(inductor\) built and compiled in (\d+\.\d) s", caplog.text)[1])
     left_out = re.findall(r"\(inductor\) is left out: its compile was stopped after (\d+) s, over 2 times the "
                           r"inductor engine's first \((\d+\.\d) s\)", caplog.text)
     assert left_out, caplog.text
     for stopped_s, first_said in left_out:   # each stopped at twice the first compile (or the floor), not 10 min
-        assert float(first_said) == pytest.approx(first, abs=0.06)
+        assert float(first_said) == first
         assert int(stopped_s) <= max(1.0, 2 * first) + 2
     assert result.engine == "inductor"    # the fp32 finalist, compiled, beats the eager plans (CompiledIsFaster)
 

@@ -350,6 +350,42 @@ def test_the_inductor_engine_compiles_the_fastest_trial_plan_and_the_fastest_wit
     assert {f"trial {t.number}" for t in passing[:3]} <= built     # the eager engine builds the three fastest
 
 
+@pytest.mark.parametrize("compiled_runs", [True, False])
+def test_the_inductor_engine_builds_no_plan_holding_int8_where_the_compiled_engine_built_one(tmp_path, caplog,
+                                                                                             monkeypatch,
+                                                                                             compiled_runs):
+    """Its int8 modules run eagerly between graphs; the compiled engine's int8 kernels beat each such finalist on 13
+    unseen models, and an eager one on the other three, after up to 104 s of compiling each. Where the compiled
+    engine cannot run the model (export fails, eval_fn calls `generate`), they are the only int8 compiled."""
+    from autotune.engines import CompiledEngine, EngineUnavailable
+
+    if not compiled_runs:
+        def cannot_export(self, fp32, plan, calibration):
+            raise EngineUnavailable("torch.export cannot trace this model")
+        monkeypatch.setattr(CompiledEngine, "build", cannot_export)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in NAMES)).eval()
+    config = TuningConfig(engines=["eager", "compiled", "inductor"], knobs=[], compile_cache=None,
+                          config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.5,
+                          max_trials=8, patience=8, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
+    inputs = torch.randn(2, 8)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=ExportedAtHalf())
+    from autotune.storage.study import trial_plan
+    plans = {f"trial {t.number} (inductor)": trial_plan(t) for t in result.study.trials}
+    built = list(result.study.user_attrs["autotune.finalist_setup_s"])
+    inductor = [name for name in built if name.endswith("(inductor)")]
+    holding_int8 = [name for name in inductor if "int8" in plans.get(name, {}).values() or "int8 (" in name]
+    without = [name for name in inductor if name not in holding_int8 and name != "fp32 (inductor)"]
+    assert "fp32 (inductor)" in inductor and without, inductor
+    assert any(name.endswith("(compiled)") for name in built) == compiled_runs
+    if compiled_runs:
+        assert holding_int8 == [] and "not built: the compiled engine runs this model's int8 in kernels of its own" \
+            in caplog.text
+    else:   # built after every other engine's finalists
+        assert holding_int8 and min(map(built.index, holding_int8)) > max(map(built.index, without)), built
+
+
 class HalvesPerLowered(ScriptedMeasurer):
     """Every module faster in int8 than in bf16, and each plan the faster the more it lowers."""
 
@@ -487,3 +523,13 @@ def test_past_the_timeout_the_race_runs_fewer_rounds_and_no_knob_heat_is_timed(m
     passed = BuildLimits(time.monotonic() - 1)
     assert _knobbed(get_engine("inductor"), ["channels_last"], {}, None, None, set(), passed) == {}
     assert "channels_last is not tried in the inductor engine" in caplog.text
+
+
+class ExportedAtHalf(HalvesPerLowered):
+    """HalvesPerLowered, and a model whose plan cannot be read (the compiled engine's exported graph) at half of
+    fp32's time."""
+
+    def latency(self, models, inputs, repeats, warmup=None):
+        readable = {name: model for name, model in models.items() if hasattr(uncompiled(model), "0")}
+        return {**super().latency(readable, inputs, repeats, warmup),
+                **{name: LatencyStats(FP32_MS / 2, 0.0, repeats) for name in models if name not in readable}}

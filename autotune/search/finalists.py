@@ -28,7 +28,7 @@ from autotune.engines import (
     EngineUnavailable,
     get_engine,
 )
-from autotune.errors import describe
+from autotune.errors import describe, listed
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.memory import BuildMemory
@@ -322,11 +322,45 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     before any builds its second (one engine at a time, a BEiT's pt2e finalists took its 240 s timeout, and the
     inductor engine, plain torch.compile among its plans, built none). The plans whose trials missed the tolerance
     come after all the others (`missed`): on a 12-layer encoder the compiled engine's uniform int8, 3.4 tolerances
-    lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out."""
+    lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out. The
+    inductor engine's plans holding int8 come after every other engine's plans, and only where the compiled engine
+    built no int8 plan (_int8_compiled)."""
+    inductor, compiled = (next((build for build in builds if build.engine.name == name), None)
+                          for name in ("inductor", "compiled"))
+    later = []   # built last, and only where the compiled engine built no int8 plan (_int8_compiled)
+    if inductor is not None and compiled is not None:
+        later = [item for item in inductor.waiting if "int8" in item[1].values()]
+        inductor.waiting = [item for item in inductor.waiting if item not in later]
+    _turns(builds, runner, calibration, cache, limits)
+    if not later:
+        return
+    if (reason := _int8_compiled(compiled)) is not None:
+        log.info("%s %s not built: %s", listed([name + inductor.suffix for name, _ in later]),
+                 "is" if len(later) == 1 else "are", reason)
+    elif inductor.engine.name not in inductor.dropped:
+        inductor.waiting = later
+        _turns([inductor], runner, calibration, cache, limits)
+
+
+def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
+           limits: BuildLimits) -> None:
     for wanted in (lambda plan: not missed(runner, plan), None):
         building = list(builds)
         while building:
             building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
+
+
+def _int8_compiled(compiled: _EngineBuilds) -> str | None:
+    """Why the inductor engine's plans holding int8 are not worth building: the compiled engine built a finalist
+    holding int8 (its kernels, fused with the quantisation around them); None where it built none. The inductor
+    engine runs int8 modules eagerly between graphs, each a graph break: 23 such finalists over 16 runs of unseen
+    models (up to 104 s of compiling each, 472 s in all) won none; a compiled finalist beat them on 13 models, an
+    eager one (often their own plan) on the other three."""
+    holding = [name for name, finalist in compiled.built.items() if "int8" in finalist.plan.values()]
+    if not holding:
+        return None
+    return (f"the compiled engine runs this model's int8 in kernels of its own ({holding[0]}), where the inductor "
+            "engine's int8 modules run eagerly between its graphs")
 
 
 def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan, float | None]:
