@@ -28,7 +28,7 @@ from autotune.engines import (
     EngineUnavailable,
     get_engine,
 )
-from autotune.errors import describe, listed
+from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.memory import BuildMemory
@@ -36,7 +36,7 @@ from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.measure.shapes import weighted_ratio
 from autotune.measure.size import weight_bytes
 from autotune.model_call import call, entry_paths
-from autotune.plan import Plan
+from autotune.plan import Plan, plan_key
 from autotune.search.finalist_plans import (
     engine_plans,
     kept_from_tuning,
@@ -323,22 +323,17 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     inductor engine, plain torch.compile among its plans, built none). The plans whose trials missed the tolerance
     come after all the others (`missed`): on a 12-layer encoder the compiled engine's uniform int8, 3.4 tolerances
     lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out. The
-    inductor engine's plans holding int8 come after every other engine's plans, and only where the compiled engine
-    built no int8 plan (_int8_compiled)."""
-    inductor, compiled = (next((build for build in builds if build.engine.name == name), None)
-                          for name in ("inductor", "compiled"))
-    later = []   # built last, and only where the compiled engine built no int8 plan (_int8_compiled)
+    inductor engine's plans holding int8 come after every other engine's plans, where the compiled engine's int8
+    does not beat them (_worth_compiling)."""
+    inductor, compiled, eager = (next((build for build in builds if build.engine.name == name), None)
+                                 for name in ("inductor", "compiled", "eager"))
+    later = []   # built last, where the compiled engine's int8 does not beat them (_worth_compiling)
     if inductor is not None and compiled is not None:
         later = [item for item in inductor.waiting if "int8" in item[1].values()]
         inductor.waiting = [item for item in inductor.waiting if item not in later]
     _turns(builds, runner, calibration, cache, limits)
-    if not later:
-        return
-    if (reason := _int8_compiled(compiled)) is not None:
-        log.info("%s %s not built: %s", listed([name + inductor.suffix for name, _ in later]),
-                 "is" if len(later) == 1 else "are", reason)
-    elif inductor.engine.name not in inductor.dropped:
-        inductor.waiting = later
+    if later and inductor.engine.name not in inductor.dropped:
+        inductor.waiting = _worth_compiling(later, compiled, eager, runner)
         _turns([inductor], runner, calibration, cache, limits)
 
 
@@ -350,17 +345,32 @@ def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibr
             building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
 
 
-def _int8_compiled(compiled: _EngineBuilds) -> str | None:
-    """Why the inductor engine's plans holding int8 are not worth building: the compiled engine built a finalist
-    holding int8 (its kernels, fused with the quantisation around them); None where it built none. The inductor
-    engine runs int8 modules eagerly between graphs, each a graph break: 23 such finalists over 16 runs of unseen
-    models (up to 104 s of compiling each, 472 s in all) won none; a compiled finalist beat them on 13 models, an
-    eager one (often their own plan) on the other three."""
-    holding = [name for name, finalist in compiled.built.items() if "int8" in finalist.plan.values()]
-    if not holding:
-        return None
-    return (f"the compiled engine runs this model's int8 in kernels of its own ({holding[0]}), where the inductor "
-            "engine's int8 modules run eagerly between its graphs")
+def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eager: _EngineBuilds | None,
+                     runner: TrialRunner) -> list[tuple[str, Plan]]:
+    """Of the inductor engine's `plans` holding int8, those the compiled engine's fastest int8 finalist does not
+    beat as the plan runs eagerly (its eager finalist), timed together in a heat. The inductor engine runs int8
+    modules eagerly between its graphs, each a graph break: over 16 runs of unseen models, 23 such finalists (up to
+    104 s of compiling each, 472 s in all) won none, and ran 0.71-1.18x their plan's eager time; where the compiled
+    engine's int8 ran faster than that eager time, one of its finalists beat them. On a Data2Vec it did not (pt2e's
+    int8 at 0.95 of fp32's time, the plan eagerly at 0.51), nor where the compiled engine built no int8 plan
+    (export failed, eval_fn calls generate): there they are the only int8 compiled. Each plan left out is logged."""
+    holding = {name: finalist for name, finalist in compiled.built.items() if "int8" in finalist.plan.values()}
+    eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
+    twins = {name: eagerly[plan_key(plan)] for name, plan in plans if plan_key(plan) in eagerly}
+    if not holding or not twins:
+        return plans
+    _, ratio = race(runner, {**{name: holding[name].runnable for name in holding},
+                             **{twin: eager.built[twin].runnable for twin in twins.values()}}, HEAT_ROUNDS)
+    fastest = min(holding, key=ratio.get)
+    kept = []
+    for name, plan in plans:
+        if name not in twins or ratio[twins[name]] <= ratio[fastest]:
+            kept.append((name, plan))
+        else:
+            log.info("%s (inductor) is not built: %s ran at %.2f of fp32's time in a heat, its plan eagerly at %.2f, "
+                     "as the inductor engine would run its int8 modules, between its graphs", name, fastest,
+                     ratio[fastest], ratio[twins[name]])
+    return kept
 
 
 def _knob_base(built: dict[str, Finalist], runner: TrialRunner) -> tuple[str, Plan, float | None]:
