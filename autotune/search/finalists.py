@@ -327,13 +327,15 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     does not beat them (_worth_compiling)."""
     inductor, compiled, eager = (next((build for build in builds if build.engine.name == name), None)
                                  for name in ("inductor", "compiled", "eager"))
-    later = []   # built last, where the compiled engine's int8 does not beat them (_worth_compiling)
+    later = []
     if inductor is not None and compiled is not None:
         later = [item for item in inductor.waiting if "int8" in item[1].values()]
         inductor.waiting = [item for item in inductor.waiting if item not in later]
     _turns(builds, runner, calibration, cache, limits)
     if later and inductor.engine.name not in inductor.dropped:
-        inductor.waiting = _worth_compiling(later, compiled, eager, runner)
+        # past the timeout no heat is timed: the engine's step says the plans are not built
+        stopped = limits.stop_reason(inductor.engine.name) is not None
+        inductor.waiting = later if stopped else _worth_compiling(later, compiled, eager, runner)
         _turns([inductor], runner, calibration, cache, limits)
 
 
