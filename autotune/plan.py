@@ -154,3 +154,19 @@ def plan_of(model: nn.Module, names: Iterable[str]) -> Plan:
     if missing:
         raise PlanError(f"{type(model).__name__} has no module {missing[0]!r}")
     return {name: dtype_of(modules[name]) for name in names}
+
+
+def module_shapes(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """{module name: the shapes of the parameters it holds itself, "32x1x3x3 32"}: what a plan file records of the
+    model it was tuned on, so a plan applied to a model of other shapes (a wider variant, a 5x5 convolution where it
+    was 3x3) says so (shapes_differ)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return {name: " ".join("x".join(map(str, p.shape)) for p in modules[name].parameters(recurse=False))
+            for name in names if name in modules}
+
+
+def shapes_differ(recorded: dict[str, str], model: nn.Module) -> list[str]:
+    """How `model`'s modules differ in shape from those `recorded` (module_shapes), in words, one per module."""
+    here = module_shapes(model, recorded)
+    return [f"{name} held {shapes or 'no parameter'} there, {here[name] or 'no parameter'} here"
+            for name, shapes in recorded.items() if name in here and here[name] != shapes]

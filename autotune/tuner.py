@@ -41,6 +41,7 @@ from autotune.measure.measurer import DeviceMeasurer, Measurer, cached_signals
 from autotune.measure.shapes import Shape, latency_shapes
 from autotune.measure.size import weight_bytes
 from autotune.model_call import copied_per_call, entry_paths
+from autotune.plan import module_shapes
 from autotune.result import BUSY_KEY, CONTENDED, NOISE_KEY, Measurement, ShapeLatency, TuningResult, counted
 from autotune.search.driver import TIMEOUT_REACHED, run_search
 from autotune.search.scores import (
@@ -179,6 +180,7 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     name = study_name_for(model, config, candidates, storage, weights)
     study = studies.open_study(config, name, candidates, storage, weights)
     _record_settings(study, config, device, fp32)
+    studies.set_attr(study, studies.MODULE_SHAPES_ATTR, module_shapes(fp32, candidates))
     measurer = measurer or DeviceMeasurer(config)
     fail_stale_trials(study, config.grace_period)   # a killed earlier run's trials: FAILED, their plans queued
 

@@ -270,6 +270,46 @@ def test_apply_of_a_plan_that_leaves_modules_out_says_which_stay_as_they_are(tun
             "stay as the model holds them (fp32)") in result.output
 
 
+WIDER_HEAD = """from torch import nn
+
+from autotune.workloads.mnist import model as mnist_model
+
+
+def model():
+    net = mnist_model()
+    net.classifier[2] = nn.Linear(net.classifier[2].in_features, 12)
+    return net
+"""
+
+
+def test_apply_onto_a_model_of_other_shapes_says_so(tuned, tmp_path, monkeypatch):
+    """A plan applied to a wider model, or a 5x5 convolution where it was 3x3, was saved without a word, though its
+    accuracy and speed were measured on another model: the plan file recorded no shapes to compare with."""
+    folder, config, storage, _ = tuned
+    plan_file = folder / "shapes.json"
+    assert run("export", "mnist", "--storage", storage, "--out", str(plan_file)).exit_code == 0
+    recorded = json.loads(plan_file.read_text())["module_shapes"]
+    assert set(recorded) == {"features.0", "features.3", "classifier.0", "classifier.2"}
+    inner = recorded["classifier.2"].split()[0].split("x")[1]    # the head's in_features
+    same = run("apply", str(plan_file), "--config", str(config), "--out", str(tmp_path / "same.pt"),
+               env={"TUNE_DIR": str(folder)})
+    assert same.exit_code == 0 and "other shapes" not in same.output, same.output
+    (tmp_path / "wider_head.py").write_text(WIDER_HEAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = yaml.safe_load(config.read_text())
+    data["model"]["factory"] = "wider_head:model"
+    wider = write_yaml(tmp_path / "wider.yaml", data)
+    result = run("apply", str(plan_file), "--config", str(wider), "--out", str(tmp_path / "wider.pt"),
+                 env={"TUNE_DIR": str(folder)})
+    assert result.exit_code == 0, result.output
+    assert (f"note: {plan_file} was tuned on a model of other shapes (classifier.2 held 10x{inner} 10 there, "
+            f"12x{inner} 12 here): its accuracy and speed were measured on that model") in result.output
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**json.loads(plan_file.read_text()), "module_shapes": [3, 3]}))
+    assert_clear_error(run("apply", str(broken), "--config", str(config), "--out", str(tmp_path / "b.pt"),
+                           env={"TUNE_DIR": str(folder)}), "module_shapes must map module names to shapes")
+
+
 def test_bench_times_a_saved_plan_against_fp32_at_each_shape(tuned, monkeypatch):
     from autotune.cli import bench_command
     folder, config, storage, _ = tuned

@@ -47,7 +47,7 @@ from autotune.engines.saving import save_built, saved_model_path
 from autotune.errors import PlanError, SaveError, did_you_mean, listed
 from autotune.interrupts import HELPER_FLAG, interrupts
 from autotune.model_call import entry_paths
-from autotune.plan import Plan, plan_id, summarize, validate_plan
+from autotune.plan import Plan, plan_id, shapes_differ, summarize, validate_plan
 from autotune.result import BUSY_KEY, NOISE_KEY, best_speedup, counted, formatted, table
 from autotune.search.scores import TIMED_CALLS_ATTR, compiled_in_place
 from autotune.search.trials import TrialCallback
@@ -288,6 +288,8 @@ def export(study_name: str, storage: str, fmt: str | None, out: str | None, tria
     # For `bench`, which times what tuning timed: the config's shapes, or the calls a generation was timed at.
     if timed := studies.get_attr(study, studies.LATENCY_INPUTS_ATTR) or studies.get_attr(study, TIMED_CALLS_ATTR):
         data["latency_inputs"] = timed
+    if shapes := studies.get_attr(study, studies.MODULE_SHAPES_ATTR):   # for `apply` onto a model of other shapes
+        data["module_shapes"] = shapes
     _written(data, fmt, out)
 
 
@@ -321,10 +323,10 @@ def _written(data: dict, fmt: str | None, out: str | None) -> None:
         click.echo(text, nl=False)
 
 
-# What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place, compile_static and
-# latency_inputs.
+# What `export` writes beside the plan; `apply` and `bench` read engine, knobs, compile_in_place, compile_static,
+# latency_inputs and module_shapes.
 PLAN_FILE_KEYS = ("study", "trial", "baseline_accuracy", "accuracy", "speedup", "speedup_predicted", "engine", "knobs",
-                  "plan", NOISE_KEY, BUSY_KEY, "compile_in_place", "compile_static", "latency_inputs")
+                  "plan", NOISE_KEY, BUSY_KEY, "compile_in_place", "compile_static", "latency_inputs", "module_shapes")
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,7 @@ class SavedPlan:
     compile_in_place: bool
     latency_inputs: list[LatencyInput]    # the calls tuning timed where its config named none (a generation's)
     compile_static: bool = False          # compiled for each shape apart, as tuning had to (engines.COMPILE_STATIC)
+    module_shapes: dict[str, str] | None = None   # the tuned model's (plan.module_shapes), where the file records them
 
 
 def read_plan(path: str) -> SavedPlan:
@@ -362,8 +365,11 @@ def read_plan(path: str) -> SavedPlan:
         timed = [LatencyInput.model_validate(entry) for entry in exported.get("latency_inputs") or []]
     except ValidationError as exc:
         raise CliError(f"{path}: latency_inputs: {exc.errors()[0]['msg']}") from None
+    shapes = exported.get("module_shapes")
+    if shapes is not None and not (isinstance(shapes, dict) and all(isinstance(v, str) for v in shapes.values())):
+        raise CliError(f"{path}: module_shapes must map module names to shapes (\"32x1x3x3 32\"), as export writes")
     return SavedPlan(plan, engine, tuple(knobs), exported.get("compile_in_place") is True, timed,
-                     exported.get("compile_static") is True)
+                     exported.get("compile_static") is True, shapes)
 
 
 def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
@@ -417,6 +423,11 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
         validate_plan(plan, candidates := search_candidates(model, config.tuning))
     except PlanError as exc:
         raise CliError(f"{plan_path}: {exc}") from None
+    if saved.module_shapes and (differing := shapes_differ(saved.module_shapes, model)):
+        more = f"; {len(differing) - 3} more" if len(differing) > 3 else ""
+        click.echo(f"note: {plan_path} was tuned on a model of other shapes ({'; '.join(differing[:3])}{more}): its "
+                   "accuracy and speed were measured on that model, not this one (`autotune tune` this config to "
+                   "know them)", err=True)
     if unnamed := [name for name in candidates if name not in plan]:    # a plan file edited by hand, say
         click.echo(f"note: {plan_path} names {len(plan)} of the {len(candidates)} modules tuning searches in this "
                    f"model; {listed(unnamed)} {'stays' if len(unnamed) == 1 else 'stay'} as the model holds "

@@ -37,6 +37,7 @@ BEST_RECORDED_WITH = "recorded_with"   # in `best`: the study's evaluated trials
 
 HELD_DTYPE_ATTR = "held_dtype"          # the dtype the model was handed over in: what its plans' "fp32" keeps
 LATENCY_INPUTS_ATTR = "latency_inputs"  # the config's latency_inputs, where each is written down (no callable)
+MODULE_SHAPES_ATTR = "module_shapes"    # the tunable modules' parameter shapes (plan.module_shapes), for export
 log = logging.getLogger("autotune")
 
 
