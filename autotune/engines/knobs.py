@@ -21,6 +21,10 @@ from autotune.engines.lowp import LOW
 from autotune.tree import map_tensors
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# The module types whose whole compute a knob running matmuls in a low dtype (`runs_in`: autocast) runs in it: a
+# Linear or a convolution is its matmul and bias (autocast keeps softmax and norms in fp32, so not attention or a norm).
+MATMUL_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d)
 
 
 class Knob(Protocol):

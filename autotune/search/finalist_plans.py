@@ -120,8 +120,9 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
     runner.refresh()   # trials other workers ran
     kept = {}
     for dtype, plan in uniform.items():
-        lost, whose = _lost_by(runner, plan, dtype)
+        lost, tried = lost_by(runner, plan, dtype)
         if lost is not None and lost >= FAR_MISS:
+            whose = "its trial" if tried == plan else f"{summarize(tried)}, a part of it,"
             log.info("uniform %s is not a finalist: %s lost %.1f tolerances", dtype, whose, lost)
         else:
             kept[dtype] = plan
@@ -130,32 +131,32 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
 
 def missed(runner: TrialRunner, plan: Plan) -> bool:
     """Whether `plan`'s own trial missed the tolerance or, for a plan of one lowered dtype, a tried plan lowering
-    only modules it lowers, to that dtype (_lost_by). An engine's numerics may still pass it, so it stays a
+    only modules it lowers, to that dtype (lost_by). An engine's numerics may still pass it, so it stays a
     finalist (short of FAR_MISS), but it is built after the others."""
     if (outcome := runner.outcomes.get(plan_key(plan))) is not None:
         return not outcome.passed
     if len(lowered := set(plan.values()) - {"fp32"}) != 1:
         return False
-    lost, _ = _lost_by(runner, plan, lowered.pop())
+    lost, _ = lost_by(runner, plan, lowered.pop())
     return lost is not None and lost > 1
 
 
-def _lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, str]:
+def lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, Plan | None]:
     """The tolerances `plan`'s own trial lost; where it was never tried, the most a tried plan lost that lowers
     only modules `plan` lowers, all to `dtype`: lowering more of them loses as much or more, as the search assumes
     (a Mamba's uniform int8, never tried, was compiled in three engines, where int8×7 fp32×3 had lost 20). With the
-    trial it comes from."""
+    plan tried (`plan` itself, or that part of it); (None, None) where none was."""
     outcome = runner.outcomes.get(plan_key(plan))
     if outcome is not None:
-        return outcome.tolerances_lost, "its trial"
+        return outcome.tolerances_lost, plan
     lowered = {name for name, chosen in plan.items() if chosen == dtype}
-    worst: tuple[float | None, str] = (None, "")
+    worst: tuple[float | None, Plan | None] = (None, None)
     for key, tried in runner.outcomes.items():
         part = plan_of_key(key)
         changed = {name for name, chosen in part.items() if chosen != "fp32"}
         if (changed and changed <= lowered and all(part[name] == dtype for name in changed)
                 and tried.tolerances_lost is not None and tried.tolerances_lost > (worst[0] or 0.0)):
-            worst = (tried.tolerances_lost, f"{summarize(part)}, a part of it,")
+            worst = (tried.tolerances_lost, part)
     return worst
 
 
