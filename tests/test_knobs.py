@@ -707,34 +707,33 @@ def test_modules_include_or_exclude_keep_in_fp32_are_not_run_low_by_autocast_or_
                                                  ("inductor", ("autocast",), {"0": "fp32", "4": "fp32"})])
 def test_a_finalist_running_in_bf16_every_module_of_a_plan_that_missed_is_judged_missed(engine, knobs, plan):
     """lowp runs the whole model but its fp32 islands in bf16, autocast every Linear and convolution: on Falcon,
-    Gemma-3, LFM2 and UperNet uniform bf16 missed its trial, and each such finalist cost an eval_fn call to miss by
-    as much."""
+    Gemma-3, LFM2 and UperNet uniform bf16 missed its trial, and each such finalist was built, then cost an eval_fn
+    call to miss by as much."""
     from types import SimpleNamespace
 
     from autotune.plan import plan_key
-    from autotune.search.finalists import Finalist
+    from autotune.search.finalist_plans import below_a_missed_plan
     from autotune.search.trials import Outcome
-    from autotune.search.winner import _below_a_missed_plan
 
     model = conv_bn()
-    finalist = Finalist(plan, engine, model, model, 0.0, knobs)
     uniform = plan_key({"0": "bf16", "4": "bf16"})
     runner = SimpleNamespace(fp32=model, kept="fp32", outcomes={uniform: Outcome(0.5, 0.03, 0.01)})
-    assert _below_a_missed_plan(runner, finalist) == ("it runs in bf16 every module bf16×2 ran in bf16, and that plan "
-                                                      "lost 3.0 tolerances in its trial")
+    assert below_a_missed_plan(runner, engine, plan, knobs) == ("it runs in bf16 every module bf16×2 ran in bf16, "
+                                                                "and that plan lost 3.0 tolerances in its trial")
+    assert below_a_missed_plan(runner, "eager", plan) is None    # no knob: it runs its plan as its trial did
     runner.outcomes = {uniform: Outcome(0.5, 0.005, 0.01)}   # it passed: nothing to go by
-    assert _below_a_missed_plan(runner, finalist) is None
+    assert below_a_missed_plan(runner, engine, plan, knobs) is None
     part = plan_key({"0": "bf16", "4": "fp32"})    # a part of what the finalist runs in bf16 missed
     runner.outcomes = {part: Outcome(0.5, 0.02, 0.01)}
-    assert "every module bf16×1 fp32×1 ran in bf16, and that plan lost 2.0 tolerances" in _below_a_missed_plan(
-        runner, finalist)
+    assert "every module bf16×1 fp32×1 ran in bf16, and that plan lost 2.0 tolerances" in below_a_missed_plan(
+        runner, engine, plan, knobs)
     if engine != "lowp":   # the BatchNorm is no matmul: autocast keeps it in fp32, so a plan lowering it says nothing
         with_norm = {"0": "fp32", "1": "bf16", "4": "fp32"}
         runner.outcomes = {plan_key(with_norm): Outcome(0.5, 0.05, 0.01)}
-        assert _below_a_missed_plan(runner, Finalist({**plan, "1": "fp32"}, engine, model, model, 0.0, knobs)) is None
+        assert below_a_missed_plan(runner, engine, {**plan, "1": "fp32"}, knobs) is None
 
 
-def test_an_autocast_finalist_over_modules_whose_bf16_plan_missed_costs_no_eval_fn_call(tmp_path):
+def test_an_autocast_finalist_over_modules_whose_bf16_plan_missed_is_not_built(tmp_path, caplog):
     from autotune.plan import plan_key, plan_of
     model, calls = conv_bn(), []
     score, uniform = fidelity(model, X), plan_key({"0": "bf16", "4": "bf16"})
@@ -746,9 +745,9 @@ def test_an_autocast_finalist_over_modules_whose_bf16_plan_missed_costs_no_eval_
     config = TuningConfig(engines=["eager"], knobs=["autocast"], tolerable_loss=0.2, max_trials=4,
                           config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]),
                           storage=f"sqlite:///{tmp_path}/t.db", study_name="below")
-    result = autotune(model, config, eval_fn, X, measurer=KnobTimed(["0", "4"], "autocast", 3.0, 5.0))
-    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
-    cast = [name for name in evaluated if name.endswith(" +autocast")]
-    assert cast and all(evaluated[name].startswith("not evaluated: it runs in bf16 every module bf16×2 ran in bf16")
-                        for name in cast), evaluated
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, eval_fn, X, measurer=KnobTimed(["0", "4"], "autocast", 3.0, 5.0))
+    assert not any(name.endswith("+autocast") for name in result.study.user_attrs["autotune.finalist_setup_s"])
+    assert re.search(r"trial \d+ \+autocast is not built: it runs in bf16 every module bf16×2 ran in bf16, and that "
+                     r"plan lost [\d.]+ tolerances in its trial", caplog.text), caplog.text
     assert result.knobs == () and calls.count(uniform) == 1

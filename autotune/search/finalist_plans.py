@@ -10,6 +10,7 @@ from torch import nn
 
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EagerEngine, Engine, Knob
+from autotune.engines.knobs import MATMUL_MODULES
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
 from autotune.search.trials import TrialRunner
@@ -160,6 +161,30 @@ def lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, 
     return worst
 
 
+def below_a_missed_plan(runner: TrialRunner, engine: str, plan: Plan, knobs: tuple[str, ...] = ()) -> str | None:
+    """Why `plan` in `engine` with `knobs` would miss: it runs in a low dtype beyond the plan (the lowp engine: the
+    whole model but its fp32 islands; a knob running matmuls low, autocast: every Linear and convolution,
+    MATMUL_MODULES) every module a tried plan ran in that dtype, and that plan missed (lost_by): lowering more loses
+    as much or more, as the search assumes. On Falcon, Gemma-3, LFM2 and UperNet uniform bf16 missed its trial by
+    1.2-3.8 tolerances, and each of 11 such finalists (lowp's uniform bf16, the best plan with autocast, eagerly and
+    compiled) was built, then cost an eval_fn call to miss by as much. None where it lowers nothing beyond the plan,
+    or no such plan missed."""
+    lowering = [low for name in knobs if (low := KNOBS[name].runs_in(runner.fp32)) is not None]
+    if engine == "lowp":
+        dtype, runs_low = next(dtype for dtype in plan.values() if dtype != "fp32"), plan
+    elif lowering:
+        dtype, modules = lowering[0], dict(runner.fp32.named_modules())
+        runs_low = {name: dtype if chosen == "fp32" and isinstance(modules.get(name), MATMUL_MODULES) else chosen
+                    for name, chosen in plan.items()}
+    else:
+        return None
+    lost, tried = lost_by(runner, runs_low, dtype)
+    if lost is None or lost <= 1:
+        return None
+    return (f"it runs in {dtype} every module {summarize(tried, runner.kept)} ran in {dtype}, and that plan lost "
+            f"{lost:.1f} tolerances in its trial")
+
+
 def too_slow(candidates: dict[str, list[str]], latency: dict[str, dict[str, float]], dtype: str) -> str | None:
     """Why running the modules that may take `dtype` in it cannot pay, even compiled: it is not a dtype tuned
     here, or they took HOPELESS_RATIO times their fp32 time or more in all, run eagerly. Compiling fuses the casts
@@ -180,6 +205,10 @@ def engine_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan], 
     torch.compile of the model, the peer a user would pick without autotune, and it passes. Last, under a timeout
     the other finalists took the time, and a Mixtral returned fp32 eager where torch.compile ran it 2.4x faster."""
     plans = finalist_plans(runner, engine, uniform if builds_as_trials(engine) else every)
+    for name, plan in list(plans.items()):
+        if (below := below_a_missed_plan(runner, engine.name, plan)) is not None:
+            log.info("%s (%s) is not a finalist: %s", name, engine.name, below)
+            del plans[name]
     if engine.name == "eager" or engine.unsupported(fp32 := fp32_plan(runner), runner.fp32) is not None:
         return plans
     return {"fp32": fp32, **plans} if builds_as_trials(engine) else {**plans, "fp32": fp32}

@@ -38,6 +38,7 @@ from autotune.measure.size import weight_bytes
 from autotune.model_call import call, entry_paths
 from autotune.plan import Plan, plan_key
 from autotune.search.finalist_plans import (
+    below_a_missed_plan,
     engine_plans,
     kept_from_tuning,
     knobs_to_try,
@@ -435,10 +436,13 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
             log.warning("%s: %s is not tried with %s in the %s engine", stop,
                         ", ".join(knobs[count:]), base[0], engine.name)
             break
+        name = f"{base[0]} +{knob.name}"
+        if (below := below_a_missed_plan(runner, engine.name, base[1], (knob.name,))) is not None:
+            log.info("%s is not built: %s", name, below)
+            continue
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
         calibration = Calibration(runner.batches, runner.calibration)
         try:
-            name = f"{base[0]} +{knob.name}"
             found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,), name=name,
                                  compiling=compiling)
             limits.note(found[name])

@@ -12,13 +12,12 @@ from torch import nn
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EngineUnavailable, get_engine
-from autotune.engines.knobs import MATMUL_MODULES
 from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
-from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize
-from autotune.search.finalist_plans import fp32_plan, lost_by
+from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
+from autotune.search.finalist_plans import below_a_missed_plan, fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
@@ -215,7 +214,7 @@ class _Verdicts:
             return None
         if numerics in self.passed:   # a twin of one that passed, then ran no faster timed again
             return self.passed[numerics]
-        if (below := _below_a_missed_plan(self.runner, finalist)) is not None:
+        if (below := below_a_missed_plan(self.runner, finalist.engine, finalist.plan, finalist.knobs)) is not None:
             log.info("%s is not evaluated: %s", name, below)
             self.note(name, f"not evaluated: {below}")
             return None
@@ -302,29 +301,6 @@ def _lowering_more(finalist: Finalist) -> tuple[str, ...]:
     missed, it misses too, as the search assumes of a plan lowering more modules. On a U-Net, uniform int8 in the
     inductor engine missed by 4 tolerances, and its autocast twin then cost an eval_fn call to miss by as much."""
     return tuple(name for name in finalist.knobs if KNOBS[name].runs_in(finalist.built) is not None)
-
-
-def _below_a_missed_plan(runner: TrialRunner, finalist: Finalist) -> str | None:
-    """Why `finalist` misses unevaluated: it runs in a low dtype beyond its plan (the lowp engine: the whole model
-    but its fp32 islands; a knob running matmuls low: its Linear and convolution modules, MATMUL_MODULES) every
-    module a tried plan ran in that dtype, and that plan missed (lost_by): lowering more loses as much or more, as
-    the search assumes. On Falcon, Gemma-3, LFM2 and UperNet uniform bf16 missed its trial by 1.2-3.8 tolerances,
-    and each of 11 such finalists (lowp's uniform bf16, the best plan with autocast, eagerly and compiled) then cost
-    an eval_fn call to miss by as much. None where it lowers nothing beyond its plan, or no such plan missed."""
-    if finalist.engine == "lowp":
-        dtype = next(dtype for dtype in finalist.plan.values() if dtype != "fp32")
-        runs_low = finalist.plan
-    elif lowering := [KNOBS[name].runs_in(finalist.built) for name in _lowering_more(finalist)]:
-        dtype, modules = lowering[0], dict(runner.fp32.named_modules())
-        runs_low = {name: dtype if chosen == "fp32" and isinstance(modules.get(name), MATMUL_MODULES) else chosen
-                    for name, chosen in finalist.plan.items()}
-    else:
-        return None
-    lost, tried = lost_by(runner, runs_low, dtype)
-    if lost is None or lost <= 1:
-        return None
-    return (f"it runs in {dtype} every module {summarize(tried, runner.kept)} ran in {dtype}, and that plan lost "
-            f"{lost:.1f} tolerances in its trial")
 
 
 def _compiled_in_half(finalist: Finalist) -> bool:
