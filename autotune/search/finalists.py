@@ -330,8 +330,8 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
                                  for name in ("inductor", "compiled", "eager"))
     later = []
     if inductor is not None and compiled is not None:
-        later = [item for item in inductor.waiting if "int8" in item[1].values()]
-        inductor.waiting = [item for item in inductor.waiting if item not in later]
+        later = [(name, plan) for name, plan in inductor.waiting if "int8" in plan.values()]
+        inductor.waiting = [(name, plan) for name, plan in inductor.waiting if "int8" not in plan.values()]
     _turns(builds, runner, calibration, cache, limits)
     if later and inductor.engine.name not in inductor.dropped:
         # past the timeout no heat is timed: the engine's step says the plans are not built
@@ -362,7 +362,7 @@ def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eag
     twins = {name: eagerly[plan_key(plan)] for name, plan in plans if plan_key(plan) in eagerly}
     if not holding or not twins:
         return plans
-    _, ratio = race(runner, {**{name: holding[name].runnable for name in holding},
+    _, ratio = race(runner, {**{name: finalist.runnable for name, finalist in holding.items()},
                              **{twin: eager.built[twin].runnable for twin in twins.values()}}, HEAT_ROUNDS)
     fastest = min(holding, key=ratio.get)
     kept = []

@@ -17,7 +17,7 @@ from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
-from autotune.search.finalist_plans import below_a_missed_plan, fp32_plan
+from autotune.search.finalist_plans import fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
@@ -214,10 +214,6 @@ class _Verdicts:
             return None
         if numerics in self.passed:   # a twin of one that passed, then ran no faster timed again
             return self.passed[numerics]
-        if (below := below_a_missed_plan(self.runner, finalist.engine, finalist.plan, finalist.knobs)) is not None:
-            log.info("%s is not evaluated: %s", name, below)
-            self.note(name, f"not evaluated: {below}")
-            return None
         self.rejected[numerics] = name    # until it passes
         self.runner.eval_calls += 1
         try:
