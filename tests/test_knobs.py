@@ -718,19 +718,45 @@ def test_a_finalist_running_in_bf16_every_module_of_a_plan_that_missed_is_judged
     model = conv_bn()
     uniform = plan_key({"0": "bf16", "4": "bf16"})
     runner = SimpleNamespace(fp32=model, kept="fp32", outcomes={uniform: Outcome(0.5, 0.03, 0.01)})
-    assert below_a_missed_plan(runner, engine, plan, knobs) == ("it runs in bf16 every module bf16×2 ran in bf16, "
-                                                                "and that plan lost 3.0 tolerances in its trial")
-    assert below_a_missed_plan(runner, "eager", plan) is None    # no knob: it runs its plan as its trial did
+    how = (" (and the lowp engine runs the modules outside the plan in bf16 too)" if engine == "lowp" else
+           " (autocast runs its Linear and convolution modules in bf16)")
+    assert below_a_missed_plan(runner, engine, plan, knobs) == (f"it runs every module bf16×2 lowered as that plan "
+                                                                f"did{how}, and that plan lost 3.0 tolerances in its "
+                                                                "trial")
+    # no knob: the plan as its trial ran it, judged only where it lowers all the plan that missed did
+    assert (below_a_missed_plan(runner, "eager", plan) is None) is (plan_key(plan) != uniform)
     runner.outcomes = {uniform: Outcome(0.5, 0.005, 0.01)}   # it passed: nothing to go by
     assert below_a_missed_plan(runner, engine, plan, knobs) is None
     part = plan_key({"0": "bf16", "4": "fp32"})    # a part of what the finalist runs in bf16 missed
     runner.outcomes = {part: Outcome(0.5, 0.02, 0.01)}
-    assert "every module bf16×1 fp32×1 ran in bf16, and that plan lost 2.0 tolerances" in below_a_missed_plan(
-        runner, engine, plan, knobs)
+    assert "every module bf16×1 fp32×1 lowered as that plan did" in below_a_missed_plan(runner, engine, plan, knobs)
     if engine != "lowp":   # the BatchNorm is no matmul: autocast keeps it in fp32, so a plan lowering it says nothing
         with_norm = {"0": "fp32", "1": "bf16", "4": "fp32"}
         runner.outcomes = {plan_key(with_norm): Outcome(0.5, 0.05, 0.01)}
         assert below_a_missed_plan(runner, engine, {**plan, "1": "fp32"}, knobs) is None
+
+
+@pytest.mark.parametrize("engine", ["eager", "inductor"])
+def test_a_plan_lowering_every_module_a_missed_plan_lowered_is_no_finalist_where_the_engine_runs_plans_as_trials(
+        engine):
+    """The eager and inductor engines run a plan as its trial would: on a SigLIP uniform int8, never tried, was
+    evaluated eagerly and lost 3.1 tolerances, as int8×40 fp32×1 had. The compiled engine, whose numerics are its
+    own, still builds it (up to FAR_MISS), and a plan lowering a module of the missed one otherwise is not judged."""
+    from types import SimpleNamespace
+
+    from autotune.plan import plan_key
+    from autotune.search.finalist_plans import below_a_missed_plan
+    from autotune.search.trials import Outcome
+
+    part = {"0": "int8", "1": "fp32", "4": "bf16"}
+    runner = SimpleNamespace(fp32=conv_bn(), kept="fp32", outcomes={plan_key(part): Outcome(0.5, 0.03, 0.01)})
+    above = {"0": "int8", "1": "int8", "4": "bf16"}
+    assert below_a_missed_plan(runner, engine, above) == ("it runs every module bf16×1 int8×1 fp32×1 lowered as that "
+                                                          "plan did, and that plan lost 3.0 tolerances in its trial")
+    assert below_a_missed_plan(runner, "compiled", above) is None
+    assert below_a_missed_plan(runner, engine, {**above, "4": "int8"}) is None     # module 4 otherwise than it
+    runner.outcomes = {plan_key(part): Outcome(0.5, 0.008, 0.01)}                  # it passed
+    assert below_a_missed_plan(runner, engine, above) is None
 
 
 def test_an_autocast_finalist_over_modules_whose_bf16_plan_missed_is_not_built(tmp_path, caplog):
@@ -748,6 +774,6 @@ def test_an_autocast_finalist_over_modules_whose_bf16_plan_missed_is_not_built(t
     with caplog.at_level(logging.INFO, logger="autotune"):
         result = autotune(model, config, eval_fn, X, measurer=KnobTimed(["0", "4"], "autocast", 3.0, 5.0))
     assert not any(name.endswith("+autocast") for name in result.study.user_attrs["autotune.finalist_setup_s"])
-    assert re.search(r"trial \d+ \+autocast is not built: it runs in bf16 every module bf16×2 ran in bf16, and that "
-                     r"plan lost [\d.]+ tolerances in its trial", caplog.text), caplog.text
+    assert re.search(r"trial \d+ \+autocast is not built: it runs every module bf16×2 lowered as that plan did "
+                     r"\(autocast runs .* in bf16\), and that plan lost [\d.]+ tolerances", caplog.text), caplog.text
     assert result.knobs == () and calls.count(uniform) == 1

@@ -9,7 +9,7 @@ from optuna.trial import FrozenTrial
 from torch import nn
 
 from autotune.config.tuning import TuningConfig
-from autotune.engines import KNOBS, EagerEngine, Engine, Knob
+from autotune.engines import KNOBS, EagerEngine, Engine, Knob, get_engine
 from autotune.engines.knobs import MATMUL_MODULES
 from autotune.measure.module_latency import HOPELESS_RATIO
 from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
@@ -121,7 +121,7 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
     runner.refresh()   # trials other workers ran
     kept = {}
     for dtype, plan in uniform.items():
-        lost, tried = lost_by(runner, plan, dtype)
+        lost, tried = lost_by(runner, plan)
         if lost is not None and lost >= FAR_MISS:
             whose = "its trial" if tried == plan else f"{summarize(tried)}, a part of it,"
             log.info("uniform %s is not a finalist: %s lost %.1f tolerances", dtype, whose, lost)
@@ -131,57 +131,60 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
 
 
 def missed(runner: TrialRunner, plan: Plan) -> bool:
-    """Whether `plan`'s own trial missed the tolerance or, for a plan of one lowered dtype, a tried plan lowering
-    only modules it lowers, to that dtype (lost_by). An engine's numerics may still pass it, so it stays a
-    finalist (short of FAR_MISS), but it is built after the others."""
+    """Whether `plan`'s own trial missed the tolerance or a tried plan lowering only modules it lowers, each as it
+    does (lost_by). An engine's numerics may still pass it, so it stays a finalist (short of FAR_MISS), but it is
+    built after the others."""
     if (outcome := runner.outcomes.get(plan_key(plan))) is not None:
         return not outcome.passed
-    if len(lowered := set(plan.values()) - {"fp32"}) != 1:
-        return False
-    lost, _ = lost_by(runner, plan, lowered.pop())
+    lost, _ = lost_by(runner, plan)
     return lost is not None and lost > 1
 
 
-def lost_by(runner: TrialRunner, plan: Plan, dtype: str) -> tuple[float | None, Plan | None]:
+def lost_by(runner: TrialRunner, plan: Plan) -> tuple[float | None, Plan | None]:
     """The tolerances `plan`'s own trial lost; where it was never tried, the most a tried plan lost that lowers
-    only modules `plan` lowers, all to `dtype`: lowering more of them loses as much or more, as the search assumes
-    (a Mamba's uniform int8, never tried, was compiled in three engines, where int8×7 fp32×3 had lost 20). With the
-    plan tried (`plan` itself, or that part of it); (None, None) where none was."""
+    only modules `plan` lowers, each to the dtype `plan` gives it: lowering more of them loses as much or more, as
+    the search assumes (a Mamba's uniform int8, never tried, was compiled in three engines, where int8×7 fp32×3 had
+    lost 20). With the plan tried (`plan` itself, or that part of it); (None, None) where none was."""
     outcome = runner.outcomes.get(plan_key(plan))
     if outcome is not None:
         return outcome.tolerances_lost, plan
-    lowered = {name for name, chosen in plan.items() if chosen == dtype}
     worst: tuple[float | None, Plan | None] = (None, None)
     for key, tried in runner.outcomes.items():
         part = plan_of_key(key)
-        changed = {name for name, chosen in part.items() if chosen != "fp32"}
-        if (changed and changed <= lowered and all(part[name] == dtype for name in changed)
+        changed = [name for name, chosen in part.items() if chosen != "fp32"]
+        if (changed and all(plan.get(name) == part[name] for name in changed)
                 and tried.tolerances_lost is not None and tried.tolerances_lost > (worst[0] or 0.0)):
             worst = (tried.tolerances_lost, part)
     return worst
 
 
 def below_a_missed_plan(runner: TrialRunner, engine: str, plan: Plan, knobs: tuple[str, ...] = ()) -> str | None:
-    """Why `plan` in `engine` with `knobs` would miss: it runs in a low dtype beyond the plan (the lowp engine: the
-    whole model but its fp32 islands; a knob running matmuls low, autocast: every Linear and convolution,
-    MATMUL_MODULES) every module a tried plan ran in that dtype, and that plan missed (lost_by): lowering more loses
-    as much or more, as the search assumes. On Falcon, Gemma-3, LFM2 and UperNet uniform bf16 missed its trial by
-    1.2-3.8 tolerances, and each of 11 such finalists (lowp's uniform bf16, the best plan with autocast, eagerly and
-    compiled) was built, then cost an eval_fn call to miss by as much. None where it lowers nothing beyond the plan,
-    or no such plan missed."""
-    lowering = [low for name in knobs if (low := KNOBS[name].runs_in(runner.fp32)) is not None]
+    """Why `plan` in `engine` with `knobs` would miss: it lowers every module of a tried plan that missed, each as
+    that plan did (lost_by), and lowering more loses as much or more, as the search assumes. An engine building
+    plans as the trials ran them (eager, inductor) runs the plan itself: a SigLIP's uniform int8 was evaluated
+    eagerly to lose 3.1 tolerances, as int8×40 fp32×1 had in its trial. The lowp engine runs the whole model but its
+    fp32 islands in the plan's low dtype, a knob running matmuls low (autocast) every Linear and convolution
+    (MATMUL_MODULES): on Falcon, Gemma-3, LFM2 and UperNet uniform bf16 missed its trial by 1.2-3.8 tolerances, and
+    each of 11 such finalists (lowp's uniform bf16, the best plan with autocast, eagerly and compiled) was built,
+    then cost an eval_fn call to miss by as much. None where no such plan missed, or where the engine runs the plan
+    in numerics of its own (the compiled engine: see FAR_MISS)."""
+    lowering = [(name, low) for name in knobs if (low := KNOBS[name].runs_in(runner.fp32)) is not None]
     if engine == "lowp":
-        dtype, runs_low = next(dtype for dtype in plan.values() if dtype != "fp32"), plan
+        low = next(dtype for dtype in plan.values() if dtype != "fp32")
+        runs, how = plan, f" (and the lowp engine runs the modules outside the plan in {low} too)"
     elif lowering:
-        dtype, modules = lowering[0], dict(runner.fp32.named_modules())
-        runs_low = {name: dtype if chosen == "fp32" and isinstance(modules.get(name), MATMUL_MODULES) else chosen
-                    for name, chosen in plan.items()}
+        (knob, dtype), modules = lowering[0], dict(runner.fp32.named_modules())
+        runs = {name: dtype if chosen == "fp32" and isinstance(modules.get(name), MATMUL_MODULES) else chosen
+                for name, chosen in plan.items()}
+        how = f" ({knob} runs its Linear and convolution modules in {dtype})"
+    elif builds_as_trials(get_engine(engine)):
+        runs, how = plan, ""
     else:
         return None
-    lost, tried = lost_by(runner, runs_low, dtype)
+    lost, tried = lost_by(runner, runs)
     if lost is None or lost <= 1:
         return None
-    return (f"it runs in {dtype} every module {summarize(tried, runner.kept)} ran in {dtype}, and that plan lost "
+    return (f"it runs every module {summarize(tried, runner.kept)} lowered as that plan did{how}, and that plan lost "
             f"{lost:.1f} tolerances in its trial")
 
 

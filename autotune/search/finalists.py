@@ -356,8 +356,12 @@ def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eag
     104 s of compiling each, 472 s in all) won none, and ran 0.71-1.18x their plan's eager time; where the compiled
     engine's int8 ran faster than that eager time, one of its finalists beat them. On a Data2Vec it did not (pt2e's
     int8 at 0.95 of fp32's time, the plan eagerly at 0.51), nor where the compiled engine built no int8 plan
-    (export failed, eval_fn calls generate): there they are the only int8 compiled. Each plan left out is logged."""
-    holding = {name: finalist for name, finalist in compiled.built.items() if "int8" in finalist.plan.values()}
+    (export failed, eval_fn calls generate): there they are the only int8 compiled. Nor does a compiled int8 finalist
+    whose plan's trial, or a part of it, missed (`missed`) bar them: it is unlikely to pass (on a SigLIP the compiled
+    uniform int8, whose part int8×40 fp32×1 had lost 3.1 tolerances, left out a passing trial's plan and missed).
+    Each plan left out is logged."""
+    holding = {name: finalist for name, finalist in compiled.built.items()
+               if "int8" in finalist.plan.values() and not missed(runner, finalist.plan)}
     eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
     twins = {name: eagerly[plan_key(plan)] for name, plan in plans if plan_key(plan) in eagerly}
     if not holding or not twins:
