@@ -351,14 +351,15 @@ def test_the_inductor_engine_compiles_the_fastest_trial_plan_and_the_fastest_wit
     assert {f"trial {t.number}" for t in passing[:3]} <= built     # the eager engine builds the three fastest
 
 
-@pytest.mark.parametrize("compiled", ["fast", "slow", "unavailable", "fast but missed"])
+@pytest.mark.parametrize("compiled", ["fast", "slow", "unavailable", "fast but missed", "fast but misses"])
 def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engines_int8_beats(tmp_path, caplog,
                                                                                               monkeypatch, compiled):
     """Its int8 modules run eagerly between graphs: on 13 unseen models the compiled engine's int8 kernels beat each
     such finalist, after up to 104 s of compiling each. Where the compiled engine's int8 runs slower than the plan
     eagerly (a Data2Vec: pt2e's int8 at 0.95 of fp32, the plan eagerly at 0.51), or it cannot run the model (export
     fails, eval_fn calls `generate`), or its int8 plans' trials missed (a SigLIP's uniform int8, which then missed
-    compiled too), they are built, after every other engine's finalists."""
+    compiled too), or it misses when evaluated, once, as the finalists are built (an HGNet's, by 100 tolerances),
+    they are built, after every other engine's finalists."""
     import autotune.search.finalists as finals
     from autotune.engines import CompiledEngine, EngineUnavailable
     from autotune.storage.study import trial_plan
@@ -374,10 +375,15 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
     config = TuningConfig(engines=["eager", "compiled", "inductor"], knobs=[], compile_cache=None,
                           config_set=MixedPrecisionConfig(dtype=["int8", "bf16", "fp32"]), tolerable_loss=0.5,
                           max_trials=8, patience=8, storage=f"sqlite:///{tmp_path}/v.db", study_name="v")
-    inputs = torch.randn(2, 8)
+    inputs, exported_calls = torch.randn(2, 8), []
+
+    def eval_fn(net):
+        exported = not hasattr(uncompiled(net), "0")    # the compiled engine's graph
+        exported_calls.append(exported)
+        return 0.0 if exported and compiled == "fast but misses" else float(net(inputs).isfinite().all())
     measurer = ExportedAt(0.2 if compiled.startswith("fast") else 0.95)
     with caplog.at_level(logging.INFO, logger="autotune"):
-        result = autotune(model, config, lambda m: float(m(inputs).isfinite().all()), measurer=measurer)
+        result = autotune(model, config, eval_fn, measurer=measurer)
     plans = {f"trial {t.number} (inductor)": trial_plan(t) for t in result.study.trials}
     built = list(result.study.user_attrs["autotune.finalist_setup_s"])
     inductor = [name for name in built if name.endswith("(inductor)")]
@@ -391,6 +397,41 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
     else:
         assert holding_int8 and min(map(built.index, holding_int8)) > max(map(built.index, without)), built
         assert "is not built" not in caplog.text
+    evaluated = result.study.user_attrs["autotune.finalist_evaluated"]
+    if compiled == "fast but misses":
+        bar = next(name for name in evaluated if name.endswith("(compiled)"))
+        assert "is evaluated as the finalists are built" in caplog.text and evaluated[bar].startswith("missed")
+        assert exported_calls.count(True) == 1, evaluated   # judged once: not again for the win
+
+
+def test_knobs_are_not_tried_on_a_finalist_evaluated_as_the_finalists_were_built_that_missed(monkeypatch, caplog):
+    """On an HGNet a compiled int8 finalist's channels_last twin compiled for 20 s, computing what its base, judged
+    as the finalists were built, had missed by 100 tolerances."""
+    from types import SimpleNamespace
+
+    from autotune.engines import get_engine
+    from autotune.search import finalists as building
+    from autotune.search.finalists import BuildLimits, Finalist
+    from autotune.search.verdicts import Verdicts, numerics
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    built = {name: Finalist({"0": dtype}, "compiled", model, model, 1.0) for name, dtype in
+             (("uniform int8 (compiled)", "int8"), ("fp32 (compiled)", "fp32"))}
+    verdicts = Verdicts(SimpleNamespace())
+    verdicts.rejected[numerics(built["uniform int8 (compiled)"])] = "uniform int8 (compiled)"
+    bases = []
+    monkeypatch.setattr(building, "_knob_base", lambda found, runner: bases.append(list(found)) or (
+        next(iter(found)), {}, None))
+    monkeypatch.setattr(building, "_with_knobs", lambda *args: {"twin": None})
+    engine = get_engine("compiled")
+    assert building._knobbed(engine, ["channels_last"], built, None, None, set(), BuildLimits(None), verdicts)
+    assert bases == [["fp32 (compiled)"]]
+    verdicts.rejected[numerics(built["fp32 (compiled)"])] = "fp32 (compiled)"
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        assert building._knobbed(engine, ["channels_last"], built, None, None, set(), BuildLimits(None),
+                                 verdicts) == {}
+    assert bases == [["fp32 (compiled)"]]
+    assert "channels_last is not tried in the compiled engine: its finalists missed when evaluated" in caplog.text
 
 
 class HalvesPerLowered(ScriptedMeasurer):
@@ -413,14 +454,14 @@ def test_a_compiled_model_computing_in_half_is_no_twin_of_its_eager_build():
     """Compiling rounds a bf16 model otherwise (inductor keeps fused intermediates in fp32): a bf16 GPT-2's eager plan
     passed its trial, yet was not evaluated for the win because its compiled twin had missed. int8 and fp32 plans
     still share one evaluation between the eager and inductor engines."""
+    from autotune.search import verdicts
     from autotune.search.finalists import Finalist
-    from autotune.search.winner import _numerics
 
     model = nn.Sequential(nn.Linear(4, 4))
     given_in_bf16 = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
 
     def numerics(engine, dtype, built=model):
-        return _numerics(Finalist({"0": dtype}, engine, built, built, 0.0))
+        return verdicts.numerics(Finalist({"0": dtype}, engine, built, built, 0.0))
     assert numerics("eager", "int8") == numerics("inductor", "int8")
     assert numerics("eager", "fp32") == numerics("inductor", "fp32")
     assert numerics("eager", "bf16") != numerics("inductor", "bf16")
@@ -528,7 +569,7 @@ def test_past_the_timeout_the_race_runs_fewer_rounds_and_no_knob_heat_is_timed(m
     assert _race_rounds(config, time.monotonic() - 1) == PAST_TIMEOUT_ROUNDS < 15
     monkeypatch.setattr(building, "_knob_base", lambda *args: pytest.fail("a heat was timed past the timeout"))
     passed = BuildLimits(time.monotonic() - 1)
-    assert _knobbed(get_engine("inductor"), ["channels_last"], {}, None, None, set(), passed) == {}
+    assert _knobbed(get_engine("inductor"), ["channels_last"], {}, None, None, set(), passed, None) == {}
     assert "channels_last is not tried in the inductor engine" in caplog.text
 
 

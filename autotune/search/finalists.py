@@ -49,6 +49,7 @@ from autotune.search.finalist_plans import (
 )
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
+from autotune.search.verdicts import Verdicts
 from autotune.storage import study as studies
 from autotune.timeout import interrupted_after, said_while_running
 
@@ -148,7 +149,7 @@ class CompileTimedOut(EngineUnavailable):
     """A finalist was still compiling when the run's timeout passed; its engine builds no more."""
 
 
-def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, Finalist]:
+def finalists(runner: TrialRunner, verdicts: Verdicts, deadline: float | None = None) -> dict[str, Finalist]:
     """Each engine's finalist plans in it, and the fp32 plan in every engine but eager (fp32 eager is the
     reference): an engine can make fp32 itself faster. An engine that cannot run this model at all is dropped
     with its reason logged and kept on the study (`engines_dropped`: {engine: reason}). Past `deadline` (the run's
@@ -156,7 +157,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     compiles take minutes on a model of hundreds of modules; nor where less memory is left than a compiling build
     took so far (at least twice the model's weights) and the weights again for the race: the kernel would end the
     run. The engines build a finalist each in turn (_build_in_turns); the eager engine's compile nothing, and are
-    never stopped."""
+    never stopped. A finalist evaluated as they are built goes into `verdicts`, as the winner's choice's are."""
     limits = BuildLimits(deadline, BuildMemory(weight_bytes(runner.fp32)))
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
@@ -179,7 +180,7 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
     builds = [_EngineBuilds(engine, engine_plans(runner, engine, uniform, every), dropped)
               for engine in sorted(engines, key=lambda engine: engine.name != "inductor")
               if engine.name not in dropped]
-    _build_in_turns(builds, runner, calibration, cache, limits)
+    _build_in_turns(builds, runner, calibration, cache, limits, verdicts)
     found: dict[str, Finalist] = {}
     failed_knobs: set[str] = set()   # knobs the model's tool could not handle: said once, not per engine
     for build in builds:
@@ -188,7 +189,8 @@ def finalists(runner: TrialRunner, deadline: float | None = None) -> dict[str, F
             engine_knobs = [name for name in knobs
                             if KNOBS[name].engines is None or build.engine.name in KNOBS[name].engines]
             if engine_knobs and built:
-                found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, limits))
+                found.update(_knobbed(build.engine, engine_knobs, built, runner, cache, failed_knobs, limits,
+                                      verdicts))
     if dropped:
         studies.set_attr(runner.study, "engines_dropped", dropped)
     found = _settled(found, runner, limits)
@@ -318,7 +320,7 @@ class _EngineBuilds:
 
 
 def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
-                    limits: BuildLimits) -> None:
+                    limits: BuildLimits, verdicts: Verdicts) -> None:
     """Every engine's finalists, a plan of each engine in turn: with a timeout, every engine then builds its first
     before any builds its second (one engine at a time, a BEiT's pt2e finalists took its 240 s timeout, and the
     inductor engine, plain torch.compile among its plans, built none). The plans whose trials missed the tolerance
@@ -336,7 +338,7 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     if later and inductor.engine.name not in inductor.dropped:
         # past the timeout no heat is timed: the engine's step says the plans are not built
         stopped = limits.stop_reason(inductor.engine.name) is not None
-        inductor.waiting = later if stopped else _worth_compiling(later, compiled, eager, runner)
+        inductor.waiting = later if stopped else _worth_compiling(later, compiled, eager, runner, verdicts)
         _turns([inductor], runner, calibration, cache, limits)
 
 
@@ -349,17 +351,18 @@ def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibr
 
 
 def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eager: _EngineBuilds | None,
-                     runner: TrialRunner) -> list[tuple[str, Plan]]:
+                     runner: TrialRunner, verdicts: Verdicts) -> list[tuple[str, Plan]]:
     """Of the inductor engine's `plans` holding int8, those the compiled engine's fastest int8 finalist does not
     beat as the plan runs eagerly (its eager finalist), timed together in a heat. The inductor engine runs int8
     modules eagerly between its graphs, each a graph break: over 16 runs of unseen models, 23 such finalists (up to
     104 s of compiling each, 472 s in all) won none, and ran 0.71-1.18x their plan's eager time; where the compiled
     engine's int8 ran faster than that eager time, one of its finalists beat them. On a Data2Vec it did not (pt2e's
     int8 at 0.95 of fp32's time, the plan eagerly at 0.51), nor where the compiled engine built no int8 plan
-    (export failed, eval_fn calls generate): there they are the only int8 compiled. Nor does a compiled int8 finalist
-    whose plan's trial, or a part of it, missed (`missed`) bar them: it is unlikely to pass (on a SigLIP the compiled
-    uniform int8, whose part int8×40 fp32×1 had lost 3.1 tolerances, left out a passing trial's plan and missed).
-    Each plan left out is logged."""
+    (export failed, eval_fn calls generate): there they are the only int8 compiled. The compiled finalist they are
+    left out for must pass: its numerics are its own (activation ranges fixed by calibration), so it is evaluated
+    first, an eval_fn call the winner's choice would make of it anyway where it is the fastest (on a SigLIP and an
+    HGNet it was left unjudged, and missed by 1.6 and 100 tolerances once the plans it barred were gone). One whose
+    plan's trial, or a part of it, missed (`missed`) is not tried as a bar at all. Each plan left out is logged."""
     holding = {name: finalist for name, finalist in compiled.built.items()
                if "int8" in finalist.plan.values() and not missed(runner, finalist.plan)}
     eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
@@ -368,15 +371,26 @@ def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eag
         return plans
     _, ratio = race(runner, {**{name: finalist.runnable for name, finalist in holding.items()},
                              **{twin: eager.built[twin].runnable for twin in twins.values()}}, HEAT_ROUNDS)
-    fastest = min(holding, key=ratio.get)
+    slowest_twin = max(ratio[twin] for twin in twins.values())
+    bar = None
+    for name in sorted(holding, key=ratio.get):
+        if ratio[name] >= slowest_twin:
+            break
+        log.info("%s is evaluated as the finalists are built: it ran at %.2f of fp32's time in a heat, ahead of the "
+                 "inductor engine's plans holding int8 as they run eagerly", name, ratio[name])
+        if verdicts.passing_score(name, holding[name]) is not None:
+            bar = name
+            break
+    if bar is None:
+        return plans
     kept = []
     for name, plan in plans:
-        if name not in twins or ratio[twins[name]] <= ratio[fastest]:
+        if name not in twins or ratio[twins[name]] <= ratio[bar]:
             kept.append((name, plan))
         else:
             log.info("%s (inductor) is not built: %s ran at %.2f of fp32's time in a heat, its plan eagerly at %.2f, "
-                     "as the inductor engine would run its int8 modules, between its graphs", name, fastest,
-                     ratio[fastest], ratio[twins[name]])
+                     "as the inductor engine would run its int8 modules, between its graphs", name, bar,
+                     ratio[bar], ratio[twins[name]])
     return kept
 
 
@@ -411,11 +425,18 @@ def race(runner: TrialRunner, models: dict[str, nn.Module], repeats: int
 
 
 def _knobbed(engine: Engine, knobs: list[str], built: dict[str, Finalist], runner: TrialRunner, cache: CompileCache,
-             failed: set[str], limits: BuildLimits) -> dict[str, Finalist]:
-    """`knobs` tried on one of the engine's `built` finalists (_knob_base, _with_knobs). A compiling engine past the
-    run's timeout tries none, and times no heat to pick their finalist (a ViT's heats ran 40 s past it)."""
+             failed: set[str], limits: BuildLimits, verdicts: Verdicts) -> dict[str, Finalist]:
+    """`knobs` tried on one of the engine's `built` finalists (_knob_base, _with_knobs), not one evaluated as they
+    were built that missed (on an HGNet a compiled int8 finalist's channels_last twin compiled for 20 s, computing
+    what its base had missed by 100 tolerances). A compiling engine past the run's timeout tries none, and times no
+    heat to pick their finalist (a ViT's heats ran 40 s past it)."""
     if engine.name != "eager" and (stop := limits.stop_reason(engine.name)):
         log.warning("%s: %s is not tried in the %s engine", stop, ", ".join(knobs), engine.name)
+        return {}
+    built = {name: finalist for name, finalist in built.items() if not verdicts.missed(finalist)}
+    if not built:
+        log.info("%s is not tried in the %s engine: its finalists missed when evaluated", ", ".join(knobs),
+                 engine.name)
         return {}
     name, plan, ratio = _knob_base(built, runner)
     if ratio is not None and ratio >= HOPELESS_RATIO:

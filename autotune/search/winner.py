@@ -6,26 +6,25 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
-from autotune.engines import KNOBS, EngineUnavailable, get_engine
+from autotune.engines import EngineUnavailable
 from autotune.errors import describe
 from autotune.measure.latency import LatencyStats
 from autotune.measure.measurer import latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import weighted_ratio
-from autotune.plan import Plan, is_baseline, plan_key, plan_of_key
+from autotune.plan import Plan, is_baseline, plan_of_key
 from autotune.search.finalist_plans import fp32_plan
 from autotune.search.finalists import Finalist, as_eval_fn_calls, finalists, race, rebuilt
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
+from autotune.search.verdicts import Verdicts, eval_timeout
 from autotune.storage import study as studies
 
 log = logging.getLogger("autotune")
 
-RECOMPILES = 4     # compiles a finalist's evaluation is given time for beyond trial_timeout (see _timeout)
 # A passing finalist timed again on its own is raced again beside those that raced this much faster than it then ran
 # (a race figure reads a few per cent fast anyway: the fastest of noisy ones); one of them is evaluated only where it
 # beats it there by half as much, as each finalist evaluated costs an eval_fn call.
@@ -56,12 +55,12 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
     if (recorded := _recorded_winner(runner)) is not None:
         return recorded
     config = runner.config
-    candidates = finalists(runner, deadline)
+    verdicts = Verdicts(runner)
+    candidates = finalists(runner, verdicts, deadline)
     models = {name: finalist.runnable for name, finalist in candidates.items()}
     rounds = _race_rounds(config, deadline)
     by_shape, ratio = race(runner, models, rounds)
     studies.set_attr(runner.study, "finalist_ratio", {name: round(ratio[name], 4) for name in models})
-    verdicts = _Verdicts(runner)
     for name in sorted(models, key=ratio.get):
         if ratio[name] >= 1.0:
             break
@@ -80,7 +79,7 @@ def verified_winner(runner: TrialRunner, deadline: float | None = None) -> Winne
 
 
 def _challenged(runner: TrialRunner, candidates: dict[str, Finalist], raced: dict[str, float], best: Winner,
-                verdicts: _Verdicts, rounds: int) -> Winner:
+                verdicts: Verdicts, rounds: int) -> Winner:
     """`best`, or a finalist that raced OUTRACED faster than `best` then ran on its own: those are raced again
     beside it, and the fastest there that beats it, passes and, timed beside it once more, runs faster wins. A race
     on a busy host can read any one of them far too fast: a ShuffleNet plan raced at 0.48 of fp32 and ran at 0.94,
@@ -172,89 +171,13 @@ def _scored_again(runner: TrialRunner, finalist: Finalist, name: str) -> float |
     where 1 % was tolerable, with its old scores shown as current."""
     runner.eval_calls += 1
     with as_eval_fn_calls(runner):
-        accuracy = scored(runner.eval_fn, finalist.runnable, _timeout(runner.config, finalist))
+        accuracy = scored(runner.eval_fn, finalist.runnable, eval_timeout(runner.config, finalist))
     loss = runner.config.accuracy_loss(runner.baseline, accuracy)
     if runner.config.passes(runner.baseline, accuracy):
         return accuracy
     log.warning("the study's best plan (%s) scores %.6g on eval_fn's data now, a loss of %.4g where %.4g is "
                 "tolerable: its finalists are chosen again", name, accuracy, loss, runner.config.tolerable_loss)
     return None
-
-
-class _Verdicts:
-    """The finalists' re-evaluations for the win, one eval_fn call per numerics (`_numerics`), each finalist's
-    outcome kept on the study as it goes (`finalist_evaluated`)."""
-
-    def __init__(self, runner: TrialRunner):
-        self.runner = runner
-        self.rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
-        self.passed: dict[tuple, float] = {}   # numerics of a finalist that passed -> its score
-        self.outcomes: dict[str, str] = {}     # finalist -> how its re-evaluation went
-
-    def note(self, name: str, outcome: str) -> None:
-        self.outcomes[name] = outcome
-        studies.set_attr(self.runner.study, "finalist_evaluated", self.outcomes)
-
-    def add(self, name: str, more: str) -> None:
-        """Adds to the outcome of a finalist that passed what its timing on its own showed."""
-        self.note(name, f"{self.outcomes.get(name, 'passed as its twin did')}; {more}")
-
-    def passing_score(self, name: str, finalist: Finalist) -> float | None:
-        """The finalist's score where it passes: evaluated now, as it runs (compiled where its engine compiles:
-        the score reported), or its twin's. None where it or a twin missed, or eval_fn failed (logged)."""
-        config, numerics = self.runner.config, _numerics(finalist)
-        if numerics in self.rejected:
-            log.info("%s is not evaluated: its model computes what %s's did", name, self.rejected[numerics])
-            self.note(name, f"not evaluated: its model computes what {self.rejected[numerics]}'s did")
-            return None
-        if (lowered := _lowering_more(finalist)) and (under := self.rejected.get(_numerics(finalist, lowered))):
-            log.info("%s is not evaluated: it computes what %s's did with %s on top, lower in precision still",
-                     name, under, " ".join(f"+{knob}" for knob in lowered))
-            self.note(name, f"not evaluated: it computes what {under}'s did, lower in precision still")
-            return None
-        if numerics in self.passed:   # a twin of one that passed, then ran no faster timed again
-            return self.passed[numerics]
-        self.rejected[numerics] = name    # until it passes
-        self.runner.eval_calls += 1
-        try:
-            accuracy = scored(self.runner.eval_fn, finalist.runnable, _timeout(config, finalist))
-        except Exception as exc:  # the user's code; the trials are saved, so try the next finalist
-            log.warning("%s: re-evaluation failed (%s); trying the next", name, describe(exc))
-            self.note(name, f"eval_fn failed: {describe(exc)}")
-            return None
-        baseline = self.runner.baseline
-        loss, passes = config.accuracy_loss(baseline, accuracy), config.passes(baseline, accuracy)
-        self.note(name, f"{'passed' if passes else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
-        self._scored_twice(name, finalist, loss)
-        if not passes:
-            log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where "
-                        "%.4g is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
-            return None
-        del self.rejected[numerics]
-        self.passed[numerics] = accuracy
-        return accuracy
-
-    def _scored_twice(self, name: str, finalist: Finalist, loss: float) -> None:
-        """Warns where the model its trial scored, scored again now, lost otherwise by more than the tolerance: an
-        eval_fn left with dropout on or sampling at random (a plan lost -0.01 in its trial, 0.08 here) makes every
-        pass and fail chance."""
-        trial = self.runner.outcomes.get(plan_key(finalist.plan))
-        if (trial is None or finalist.engine != "eager" or finalist.knobs
-                or abs(loss - trial.loss) <= self.runner.config.tolerable_loss):
-            return
-        log.warning("eval_fn scored %s's model at a loss of %.4g where its trial scored the same model at %.4g, "
-                    "more apart than the %.4g tolerated: is eval_fn random (dropout on, data sampled without a "
-                    "seed)? Its passes and fails are chance then", name, loss, trial.loss,
-                    self.runner.config.tolerable_loss)
-
-
-def _timeout(config: TuningConfig, finalist: Finalist) -> float | None:
-    """`trial_timeout` for a finalist's evaluation, plus room to compile it again RECOMPILES times: a compiled model
-    meets the eval_fn's batch sizes and grad mode there for the first time (a 30 ms eval_fn took a compiled MLP-Mixer
-    30 s), and a trial's timeout threw every compiled winner away."""
-    if config.trial_timeout is None:
-        return None
-    return config.trial_timeout + (RECOMPILES * finalist.setup_s if finalist.engine != "eager" else 0.0)
 
 
 def _fp32_winner(runner: TrialRunner, by_shape: dict[str, dict[str, LatencyStats]], recorded: bool = False
@@ -281,31 +204,6 @@ def _timed_again(runner: TrialRunner, finalist: Finalist, name: str, accuracy: f
     rival_ratio = 1.0 if rival is None else weighted_ratio(ratios_to_fp32(by_shape, rival.name), runner.shapes)
     return Winner(finalist.plan, finalist.engine, finalist.runnable, accuracy, _fp32_and(by_shape, name), ratio,
                   finalist.setup_s, finalist.knobs, name, built=finalist.built), rival_ratio
-
-
-def _numerics(finalist: Finalist, without: tuple[str, ...] = ()) -> tuple:
-    """Finalists with equal keys score alike, to the rounding compiling changes: their `built` models are one
-    plan built by one build method (the search itself judged plans eagerly) with the same knobs, but for knobs that
-    keep every value (channels_last: a MobileNet's int8 finalist and its channels_last twin each cost an eval_fn
-    call to miss by the same score). `without`: the key of the finalist's model without those knobs."""
-    changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values and name not in without)
-    return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing, _compiled_in_half(finalist)
-
-
-def _lowering_more(finalist: Finalist) -> tuple[str, ...]:
-    """The finalist's knobs that run its model's matmuls in a lower dtype (autocast): where its model without them
-    missed, it misses too, as the search assumes of a plan lowering more modules. On a U-Net, uniform int8 in the
-    inductor engine missed by 4 tolerances, and its autocast twin then cost an eval_fn call to miss by as much."""
-    return tuple(name for name in finalist.knobs if KNOBS[name].runs_in(finalist.built) is not None)
-
-
-def _compiled_in_half(finalist: Finalist) -> bool:
-    """Whether `finalist` is compiled and computes in bf16 / fp16: compiling such a model rounds otherwise than
-    running it eagerly (inductor keeps fused intermediates in fp32), so it is no twin of its eager plan: a bf16
-    GPT-2's eager plan, which had passed its trial, was not evaluated because its compiled twin missed."""
-    half = (torch.bfloat16, torch.float16)
-    return finalist.engine != "eager" and (any(dtype in ("bf16", "fp16") for dtype in finalist.plan.values())
-                                           or any(p.dtype in half for p in finalist.built.parameters()))
 
 
 def _fp32_and(by_shape: dict[str, dict[str, LatencyStats]], name: str) -> dict[str, dict[str, LatencyStats]]:
