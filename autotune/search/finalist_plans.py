@@ -1,9 +1,10 @@
 """Which plans become finalists, per engine: the fastest passing trials, the uniform plans whose dtype can pay
 (`too_slow`) and that their own trials did not miss by far, fp32 where the engine can make it faster; and which
-model-level knobs are worth trying on them. `finalists` builds and races what these choose."""
+model-level knobs are worth trying on them. `finalists` builds and races what these choose, each a `Finalist`."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial
 from torch import nn
@@ -23,6 +24,18 @@ FAR_MISS = 2.0     # tolerances a uniform plan's own trial lost, from which no e
 # even making them free gains less than the finalists' race tells apart. A ViT's patch convolution, 3 % of it, cost
 # channels_last four finalists (25 s of a 220 s run) that raced no faster.
 KNOB_MIN_SHARE = 0.05
+
+
+@dataclass
+class Finalist:
+    """A plan built in an engine (with knobs), ready to race and evaluate."""
+
+    plan: Plan
+    engine: str
+    built: nn.Module        # the plan as built, before any compiling: what export / apply save
+    runnable: nn.Module     # what is timed, evaluated and returned
+    setup_s: float          # building it and its first calls (compilation) at every shape
+    knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
 
 
 def finalist_plans(runner: TrialRunner, engine: Engine, uniform: dict[str, Plan]) -> dict[str, Plan]:

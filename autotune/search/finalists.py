@@ -38,6 +38,7 @@ from autotune.measure.size import weight_bytes
 from autotune.model_call import call, entry_paths
 from autotune.plan import Plan, plan_key
 from autotune.search.finalist_plans import (
+    Finalist,
     below_a_missed_plan,
     engine_plans,
     kept_from_tuning,
@@ -67,16 +68,6 @@ FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first say
 # 16 minutes. A plan that slow to compile costs every process that deploys it as much.
 SLOW_RATIO = 5
 SLOW_FLOOR_S = 180.0
-
-
-@dataclass
-class Finalist:
-    plan: Plan
-    engine: str
-    built: nn.Module        # the plan as built, before any compiling: what export / apply save
-    runnable: nn.Module     # what is timed, evaluated and returned
-    setup_s: float          # building it and its first calls (compilation) at every shape
-    knobs: tuple[str, ...] = ()   # model-level knobs set before the plan was realised
 
 
 @dataclass

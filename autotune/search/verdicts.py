@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,12 +10,10 @@ from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, get_engine
 from autotune.errors import describe
 from autotune.plan import plan_key
+from autotune.search.finalist_plans import Finalist
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
-
-if TYPE_CHECKING:
-    from autotune.search.finalists import Finalist
 
 log = logging.getLogger("autotune")
 
