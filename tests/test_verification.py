@@ -351,7 +351,8 @@ def test_the_inductor_engine_compiles_the_fastest_trial_plan_and_the_fastest_wit
     assert {f"trial {t.number}" for t in passing[:3]} <= built     # the eager engine builds the three fastest
 
 
-@pytest.mark.parametrize("compiled", ["fast", "slow", "unavailable", "fast but missed", "fast but misses"])
+@pytest.mark.parametrize("compiled", ["fast", "slow", "unavailable", "fast but missed", "fast but misses",
+                                      "fast behind fp32 compiled by inductor"])
 def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engines_int8_beats(tmp_path, caplog,
                                                                                               monkeypatch, compiled):
     """Its int8 modules run eagerly between graphs: on 13 unseen models the compiled engine's int8 kernels beat each
@@ -359,7 +360,8 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
     eagerly (a Data2Vec: pt2e's int8 at 0.95 of fp32, the plan eagerly at 0.51), or it cannot run the model (export
     fails, eval_fn calls `generate`), or its int8 plans' trials missed (a SigLIP's uniform int8, which then missed
     compiled too), or it misses when evaluated, once, as the finalists are built (an HGNet's, by 100 tolerances),
-    they are built, after every other engine's finalists."""
+    they are built, after every other engine's finalists. Where a finalist likely to pass raced ahead of it, it bars
+    them unjudged: the winner's choice judges that one first, and a call on it now could be spent for nothing."""
     import autotune.search.finalists as finals
     from autotune.engines import CompiledEngine, EngineUnavailable
     from autotune.storage.study import trial_plan
@@ -381,7 +383,8 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
         exported = not hasattr(uncompiled(net), "0")    # the compiled engine's graph
         exported_calls.append(exported)
         return 0.0 if exported and compiled == "fast but misses" else float(net(inputs).isfinite().all())
-    measurer = ExportedAt(0.2 if compiled.startswith("fast") else 0.95)
+    measurer = ExportedAt(0.2 if compiled.startswith("fast") else 0.95,
+                          ahead={"fp32 (inductor)": 0.1} if compiled.startswith("fast behind") else {})
     with caplog.at_level(logging.INFO, logger="autotune"):
         result = autotune(model, config, eval_fn, measurer=measurer)
     plans = {f"trial {t.number} (inductor)": trial_plan(t) for t in result.study.trials}
@@ -391,7 +394,7 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
     without = [name for name in inductor if name not in holding_int8 and name != "fp32 (inductor)"]
     assert "fp32 (inductor)" in inductor and without, inductor
     assert any(name.endswith("(compiled)") for name in built) == (compiled != "unavailable")
-    if compiled == "fast":
+    if compiled in ("fast", "fast behind fp32 compiled by inductor"):
         assert holding_int8 == [] and re.search(r"\(inductor\) is not built: trial \d+ \(compiled\) ran at 0.20 of "
                                                 r"fp32's time in a heat, its plan eagerly at 0\.\d\d", caplog.text)
     else:
@@ -402,6 +405,9 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
         bar = next(name for name in evaluated if name.endswith("(compiled)"))
         assert "is evaluated as the finalists are built" in caplog.text and evaluated[bar].startswith("missed")
         assert exported_calls.count(True) == 1, evaluated   # judged once: not again for the win
+    if compiled.startswith("fast behind"):   # fp32 compiled passed first and won: the bar was never judged
+        assert "is evaluated as the finalists are built" not in caplog.text
+        assert list(evaluated) == ["fp32 (inductor)"] and exported_calls.count(True) == 0, evaluated
 
 
 def test_knobs_are_not_tried_on_a_finalist_evaluated_as_the_finalists_were_built_that_missed(monkeypatch, caplog):
@@ -575,12 +581,14 @@ def test_past_the_timeout_the_race_runs_fewer_rounds_and_no_knob_heat_is_timed(m
 
 class ExportedAt(HalvesPerLowered):
     """HalvesPerLowered, and a model whose plan cannot be read (the compiled engine's exported graph) at `ratio` of
-    fp32's time."""
+    fp32's time; the finalists named in `ahead` at theirs."""
 
-    def __init__(self, ratio: float):
-        self.ratio = ratio
+    def __init__(self, ratio: float, ahead: dict[str, float] | None = None):
+        self.ratio, self.ahead = ratio, ahead or {}
 
     def latency(self, models, inputs, repeats, warmup=None):
         readable = {name: model for name, model in models.items() if hasattr(uncompiled(model), "0")}
         return {**super().latency(readable, inputs, repeats, warmup),
-                **{name: LatencyStats(FP32_MS * self.ratio, 0.0, repeats) for name in models if name not in readable}}
+                **{name: LatencyStats(FP32_MS * self.ratio, 0.0, repeats) for name in models if name not in readable},
+                **{name: LatencyStats(FP32_MS * ratio, 0.0, repeats) for name, ratio in self.ahead.items()
+                   if name in models}}

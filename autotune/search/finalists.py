@@ -319,8 +319,8 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out. The
     inductor engine's plans holding int8 come after every other engine's plans, where the compiled engine's int8
     does not beat them (_worth_compiling)."""
-    inductor, compiled, eager = (next((build for build in builds if build.engine.name == name), None)
-                                 for name in ("inductor", "compiled", "eager"))
+    inductor, compiled = (next((build for build in builds if build.engine.name == name), None)
+                          for name in ("inductor", "compiled"))
     later = []
     if inductor is not None and compiled is not None:
         later = [(name, plan) for name, plan in inductor.waiting if "int8" in plan.values()]
@@ -329,7 +329,7 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     if later and inductor.engine.name not in inductor.dropped:
         # past the timeout no heat is timed: the engine's step says the plans are not built
         stopped = limits.stop_reason(inductor.engine.name) is not None
-        inductor.waiting = later if stopped else _worth_compiling(later, compiled, eager, runner, verdicts)
+        inductor.waiting = later if stopped else _worth_compiling(later, builds, runner, verdicts)
         _turns([inductor], runner, calibration, cache, limits)
 
 
@@ -341,34 +341,46 @@ def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibr
             building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
 
 
-def _worth_compiling(plans: list[tuple[str, Plan]], compiled: _EngineBuilds, eager: _EngineBuilds | None,
-                     runner: TrialRunner, verdicts: Verdicts) -> list[tuple[str, Plan]]:
+def _worth_compiling(plans: list[tuple[str, Plan]], builds: list[_EngineBuilds], runner: TrialRunner,
+                     verdicts: Verdicts) -> list[tuple[str, Plan]]:
     """Of the inductor engine's `plans` holding int8, those the compiled engine's fastest int8 finalist does not
-    beat as the plan runs eagerly (its eager finalist), timed together in a heat. The inductor engine runs int8
-    modules eagerly between its graphs, each a graph break: over 16 runs of unseen models, 23 such finalists (up to
-    104 s of compiling each, 472 s in all) won none, and ran 0.71-1.18x their plan's eager time; where the compiled
-    engine's int8 ran faster than that eager time, one of its finalists beat them. On a Data2Vec it did not (pt2e's
-    int8 at 0.95 of fp32's time, the plan eagerly at 0.51), nor where the compiled engine built no int8 plan
-    (export failed, eval_fn calls generate): there they are the only int8 compiled. The compiled finalist they are
-    left out for must pass: its numerics are its own (activation ranges fixed by calibration), so it is evaluated
-    first, an eval_fn call the winner's choice would make of it anyway where it is the fastest (on a SigLIP and an
-    HGNet it was left unjudged, and missed by 1.6 and 100 tolerances once the plans it barred were gone). One whose
-    plan's trial, or a part of it, missed (`missed`) is not tried as a bar at all. Each plan left out is logged."""
+    beat as the plan runs eagerly (its eager finalist), timed with every finalist built so far in a heat. The
+    inductor engine runs int8 modules eagerly between its graphs, each a graph break: over 16 runs of unseen models,
+    23 such finalists (up to 104 s of compiling each, 472 s in all) won none, and ran 0.71-1.18x their plan's eager
+    time; where the compiled engine's int8 ran faster than that eager time, one of its finalists beat them. On a
+    Data2Vec it did not (pt2e's int8 at 0.95 of fp32's time, the plan eagerly at 0.51), nor where the compiled engine
+    built no int8 plan (export failed, eval_fn calls generate): there they are the only int8 compiled.
+
+    The compiled finalist they are left out for should pass: its numerics are its own (activation ranges fixed by
+    calibration), and on a SigLIP and an HGNet, left unjudged, it missed by 1.6 and 100 tolerances once the plans it
+    barred were gone. Where it raced ahead of every other finalist likely to pass it is evaluated first, the call
+    the winner's choice would make of it anyway; where another raced ahead of it, that one is judged first for the
+    win and this call could be spent for nothing (on a VideoMAE, bf16 finalists at 0.68 of fp32's time, the bar at
+    0.90), so it bars them unjudged. One whose plan's trial, or a part of it, missed (`missed`) bars nothing. Each
+    plan left out is logged."""
+    compiled, eager = (next((build for build in builds if build.engine.name == name), None)
+                       for name in ("compiled", "eager"))
     holding = {name: finalist for name, finalist in compiled.built.items()
                if "int8" in finalist.plan.values() and not missed(runner, finalist.plan)}
     eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
     twins = {name: eagerly[plan_key(plan)] for name, plan in plans if plan_key(plan) in eagerly}
     if not holding or not twins:
         return plans
-    _, ratio = race(runner, {**{name: finalist.runnable for name, finalist in holding.items()},
-                             **{twin: eager.built[twin].runnable for twin in twins.values()}}, HEAT_ROUNDS)
+    built = {name: finalist for build in builds for name, finalist in build.built.items()}
+    _, ratio = race(runner, {name: finalist.runnable for name, finalist in built.items()}, HEAT_ROUNDS)
     slowest_twin = max(ratio[twin] for twin in twins.values())
+    ahead = min((ratio[name] for name, finalist in built.items() if name not in holding   # likely to pass
+                 and not missed(runner, finalist.plan) and not verdicts.missed(finalist)), default=math.inf)
     bar = None
     for name in sorted(holding, key=ratio.get):
         if ratio[name] >= slowest_twin:
             break
-        log.info("%s is evaluated as the finalists are built: it ran at %.2f of fp32's time in a heat, ahead of the "
-                 "inductor engine's plans holding int8 as they run eagerly", name, ratio[name])
+        if ratio[name] > ahead:
+            bar = name
+            break
+        log.info("%s is evaluated as the finalists are built: it ran at %.2f of fp32's time in a heat, ahead of every "
+                 "other finalist, and of the inductor engine's plans holding int8 as they run eagerly", name,
+                 ratio[name])
         if verdicts.passing_score(name, holding[name]) is not None:
             bar = name
             break
