@@ -319,8 +319,7 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out. The
     inductor engine's plans holding int8 come after every other engine's plans, where the compiled engine's int8
     does not beat them (_worth_compiling)."""
-    inductor, compiled = (next((build for build in builds if build.engine.name == name), None)
-                          for name in ("inductor", "compiled"))
+    inductor, compiled = _engine_builds(builds, "inductor"), _engine_builds(builds, "compiled")
     later = []
     if inductor is not None and compiled is not None:
         later = [(name, plan) for name, plan in inductor.waiting if "int8" in plan.values()]
@@ -331,6 +330,10 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
         stopped = limits.stop_reason(inductor.engine.name) is not None
         inductor.waiting = later if stopped else _worth_compiling(later, builds, runner, verdicts)
         _turns([inductor], runner, calibration, cache, limits)
+
+
+def _engine_builds(builds: list[_EngineBuilds], engine: str) -> _EngineBuilds | None:
+    return next((build for build in builds if build.engine.name == engine), None)
 
 
 def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
@@ -358,8 +361,7 @@ def _worth_compiling(plans: list[tuple[str, Plan]], builds: list[_EngineBuilds],
     win and this call could be spent for nothing (on a VideoMAE, bf16 finalists at 0.68 of fp32's time, the bar at
     0.90), so it bars them unjudged. One whose plan's trial, or a part of it, missed (`missed`) bars nothing. Each
     plan left out is logged."""
-    compiled, eager = (next((build for build in builds if build.engine.name == name), None)
-                       for name in ("compiled", "eager"))
+    compiled, eager = _engine_builds(builds, "compiled"), _engine_builds(builds, "eager")
     holding = {name: finalist for name, finalist in compiled.built.items()
                if "int8" in finalist.plan.values() and not missed(runner, finalist.plan)}
     eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
