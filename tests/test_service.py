@@ -446,6 +446,21 @@ def test_a_queued_job_another_live_worker_allows_is_left_queued_for_it_and_jobs_
     assert queue.get(job).state == "failed" and queue.get(job).reason.endswith("; no live worker allows them")
 
 
+def test_a_running_worker_fails_a_queued_job_it_left_once_no_live_worker_allows_it(tmp_path, monkeypatch):
+    """A default worker left a mypkg job queued for the one worker allowed it; that worker stopped, and the job
+    stayed queued for as long as the default worker ran: it never looked at a job it had left again."""
+    from autotune.service.worker import Worker
+
+    url, storage, queue, (job,) = queued_jobs(tmp_path, monkeypatch, "mine")
+    worker = Worker(storage, url)                                 # the default --allow: autotune.workloads.*
+    with queue.serving(("resume_workload:*",)):
+        assert worker.run(exit_when_idle=True) == 1
+        assert worker.run(exit_when_idle=True) == 0              # its allowed worker is live: still left to it
+        assert queue.get(job).state == "queued"
+    assert worker.run(exit_when_idle=True) == 1                  # the same worker, polling on
+    assert queue.get(job).state == "failed" and queue.get(job).reason.endswith("; no live worker allows them")
+
+
 def test_jobs_shows_the_live_workers_on_each_running_job_and_a_running_job_none_works_on(tmp_path, monkeypatch):
     """After Ctrl-C of its only worker a job stayed `running`, and nothing told it from one being worked on."""
     from click.testing import CliRunner

@@ -108,7 +108,8 @@ class Worker:
     def __init__(self, storage: RDBStorage, storage_url: str, allow: tuple[str, ...] = DEFAULT_ALLOW):
         self.storage, self.storage_url, self.allow = storage, storage_url, allow
         self.queue = JobQueue(storage)
-        self.leaving: set[int] = set()   # jobs other workers run, or may run, that this one may not: left to them
+        # jobs other workers run, or may run, that this one may not, with the import paths they name: left to them
+        self.leaving: dict[int, list[tuple[str, str]]] = {}
         self.id: str | None = None       # among the queue's live workers, while it runs
 
     def run(self, exit_when_idle: bool = False, poll_s: float = 2.0) -> int:
@@ -120,6 +121,7 @@ class Worker:
         worked: set[int] = set()
         while True:
             try:
+                self._take_back_orphans()
                 job = self.queue.take(self.leaving)
             except Exception as exc:
                 self._wait_if_lost(exc)
@@ -168,8 +170,19 @@ class Worker:
                 self._fail(job, f"{refused}; no live worker allows them")
                 return
             self.queue.requeue(job.id, f"{refused}: left for workers that allow them ({', '.join(allowed_by)})")
-        self.leaving.add(job.id)
+        self.leaving[job.id] = refused.named
         log.info("job %d: %s; left to workers that allow them", job.id, refused)
+
+    def _take_back_orphans(self) -> None:
+        """Takes back a queued job this worker left for others that allow its imports once none of them is live any
+        more, so that it fails with its reason (as a job no live worker allows does when taken): it stayed queued
+        for workers that had stopped, for as long as this one ran."""
+        if not self.leaving:
+            return
+        others = [worker for worker in self.queue.live_workers() if worker.id != self.id]
+        for job_id, named in list(self.leaving.items()):
+            if not allowing(named, others) and self.queue.get(job_id).state == QUEUED:
+                del self.leaving[job_id]
 
     def _run(self, job: Job, config: FileConfig, tuning: TuningConfig, storage: RDBStorage, started: float) -> None:
         runner = start_runner(config.build_model(), tuning, config.evaluation.build(),
