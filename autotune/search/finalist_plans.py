@@ -145,7 +145,7 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
     return kept
 
 
-def missed(runner: TrialRunner, plan: Plan) -> bool:
+def trial_missed(runner: TrialRunner, plan: Plan) -> bool:
     """Whether `plan`'s own trial missed the tolerance or a tried plan lowering only modules it lowers, each as it
     does (lost_by). An engine's numerics may still pass it, so it stays a finalist (short of FAR_MISS), but it is
     built after the others."""

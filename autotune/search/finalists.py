@@ -43,8 +43,8 @@ from autotune.search.finalist_plans import (
     engine_plans,
     kept_from_tuning,
     knobs_to_try,
-    missed,
     own_int8,
+    trial_missed,
     uniform_finalists,
     without_far_misses,
 )
@@ -315,7 +315,7 @@ def _build_in_turns(builds: list[_EngineBuilds], runner: TrialRunner, calibratio
     """Every engine's finalists, a plan of each engine in turn: with a timeout, every engine then builds its first
     before any builds its second (one engine at a time, a BEiT's pt2e finalists took its 240 s timeout, and the
     inductor engine, plain torch.compile among its plans, built none). The plans whose trials missed the tolerance
-    come after all the others (`missed`): on a 12-layer encoder the compiled engine's uniform int8, 3.4 tolerances
+    come after all the others (`trial_missed`): on a 12-layer encoder the compiled engine's uniform int8, 3.4 tolerances
     lost in its trial, compiled for 88 s first, missed again, and the timeout then left two lowp finalists out. The
     inductor engine's plans holding int8 come after every other engine's plans, where the compiled engine's int8
     does not beat them (_worth_compiling)."""
@@ -338,7 +338,7 @@ def _engine_builds(builds: list[_EngineBuilds], engine: str) -> _EngineBuilds | 
 
 def _turns(builds: list[_EngineBuilds], runner: TrialRunner, calibration: Calibration, cache: CompileCache,
            limits: BuildLimits) -> None:
-    for wanted in (lambda plan: not missed(runner, plan), None):
+    for wanted in (lambda plan: not trial_missed(runner, plan), None):
         building = list(builds)
         while building:
             building = [build for build in building if build.step(runner, calibration, cache, limits, wanted)]
@@ -359,11 +359,11 @@ def _worth_compiling(plans: list[tuple[str, Plan]], builds: list[_EngineBuilds],
     barred were gone. Where it raced ahead of every other finalist likely to pass it is evaluated first, the call
     the winner's choice would make of it anyway; where another raced ahead of it, that one is judged first for the
     win and this call could be spent for nothing (on a VideoMAE, bf16 finalists at 0.68 of fp32's time, the bar at
-    0.90), so it bars them unjudged. One whose plan's trial, or a part of it, missed (`missed`) bars nothing. Each
+    0.90), so it bars them unjudged. One whose plan's trial, or a part of it, missed (`trial_missed`) bars nothing. Each
     plan left out is logged."""
     compiled, eager = _engine_builds(builds, "compiled"), _engine_builds(builds, "eager")
     holding = {name: finalist for name, finalist in compiled.built.items()
-               if "int8" in finalist.plan.values() and not missed(runner, finalist.plan)}
+               if "int8" in finalist.plan.values() and not trial_missed(runner, finalist.plan)}
     eagerly = {plan_key(finalist.plan): name for name, finalist in (eager.built.items() if eager else ())}
     twins = {name: eagerly[plan_key(plan)] for name, plan in plans if plan_key(plan) in eagerly}
     if not holding or not twins:
@@ -372,7 +372,7 @@ def _worth_compiling(plans: list[tuple[str, Plan]], builds: list[_EngineBuilds],
     _, ratio = race(runner, {name: finalist.runnable for name, finalist in built.items()}, HEAT_ROUNDS)
     slowest_twin = max(ratio[twin] for twin in twins.values())
     ahead = min((ratio[name] for name, finalist in built.items() if name not in holding   # likely to pass
-                 and not missed(runner, finalist.plan) and not verdicts.missed(finalist)), default=math.inf)
+                 and not trial_missed(runner, finalist.plan) and not verdicts.missed(finalist)), default=math.inf)
     bar = None
     for name in sorted(holding, key=ratio.get):
         if ratio[name] >= slowest_twin:
