@@ -1926,6 +1926,107 @@ def test_a_model_that_compiles_only_for_fixed_sizes_is_compiled_shape_by_shape(t
         assert torch.allclose(again.model(x[:3]), model(x[:3]), atol=0.1)
 
 
+SLOW_FOR_SIZES_THAT_VARY = {"armed": False}
+
+
+@torch.library.custom_op("autotune_tests::tripled", mutates_args=())
+def tripled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@tripled.register_fake
+def _tripled_shapes(x):
+    """Armed, a fake kernel that takes minutes where sizes vary: inductor reasoning about a Swin-V2's window
+    partitioning at symbolic sizes ran for over 11 minutes; at fixed sizes it compiled in 29 s."""
+    if SLOW_FOR_SIZES_THAT_VARY["armed"] and not all(isinstance(size, int) for size in x.shape):
+        time.sleep(600)
+    return torch.empty_like(x)
+
+
+class WithTripled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(tripled(torch.relu(self.a(x))))
+
+
+class SettlesSlowly(WithTripled):
+    """Its own forward code: dynamo's record of which sizes vary is kept per code location, across models."""
+
+    def forward(self, x):
+        return self.b(tripled(torch.relu(self.a(x))))
+
+
+def test_a_finalist_whose_first_calls_compile_slowly_for_sizes_that_vary_is_compiled_shape_by_shape(tmp_path, caplog,
+                                                                                                    monkeypatch):
+    """Past its engine's slow limit, a compile for sizes that vary is stopped and the finalist compiled for each
+    shape apart (it was left out: Swin-V2's inductor plans holding int8), and so are its engine's later ones."""
+    from autotune.plan import is_baseline
+    from autotune.search import finalists as finals
+    built_and_called = finals._built_and_called
+
+    def armed(engine, plan, *args, **kwargs):   # plain torch.compile of it (fp32) compiles as fast as ever
+        SLOW_FOR_SIZES_THAT_VARY["armed"] = engine.name == "inductor" and not is_baseline(plan)
+        return built_and_called(engine, plan, *args, **kwargs)
+
+    monkeypatch.setattr(finals, "_built_and_called", armed)
+    monkeypatch.setitem(SLOW_FOR_SIZES_THAT_VARY, "armed", False)
+    monkeypatch.setattr(finals, "SLOW_FLOOR_S", 1.0)
+    monkeypatch.setattr(finals, "SLOW_RATIO", 2)
+    model, x = WithTripled().eval(), doubled_inputs()
+    config = TuningConfig(engines=["eager", "inductor"], config_set=MixedPrecisionConfig(dtype=["bf16", "fp32"]),
+                          tolerable_loss=0.5, max_trials=2, storage=f"sqlite:///{tmp_path}/s.db", study_name="s",
+                          latency_inputs=[{"batch": 8}, {"batch": 4}])
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        result = autotune(model, config, fidelity_on(model, x), x, measurer=CompiledIsFaster())
+    assert time.monotonic() - started < 120
+    slow = (r"inductor: its first calls compiled for over \d+ s, over 2 times the inductor engine's first compile "
+            r"\(dynamo compiles a frame met at new sizes for sizes that vary\); compiling it again for each shape "
+            r"apart")
+    assert len(re.findall(slow, caplog.text)) == 1, caplog.text      # later finalists: shape by shape at once
+    built = [name for name in result.study.user_attrs["autotune.finalist_setup_s"] if "(inductor)" in name]
+    assert "fp32 (inductor)" in built and len(built) >= 2, built     # the slow one is not left out
+    assert "is left out" not in caplog.text, caplog.text
+
+
+def test_a_finalist_whose_later_call_compiles_slowly_for_sizes_that_vary_is_compiled_shape_by_shape(caplog,
+                                                                                                     monkeypatch):
+    """Settling, a call at a shape its first calls did not meet compiled for sizes that vary, unbounded: a Swin-V2's
+    inductor finalist, built in 109 s, compiled so for over 11 minutes in its next call."""
+    from types import SimpleNamespace
+
+    from autotune.engines import COMPILE_STATIC
+    from autotune.measure.shapes import Shape
+    from autotune.search import finalists as finals
+
+    monkeypatch.setattr(finals, "SLOW_FLOOR_S", 1.0)
+    monkeypatch.setitem(SLOW_FOR_SIZES_THAT_VARY, "armed", False)
+    model, x = SettlesSlowly().eval(), doubled_inputs()
+    runnable = compile_model(model)
+    with torch.inference_mode():
+        runnable(x)    # its first call, as it was built: batch 8
+    SLOW_FOR_SIZES_THAT_VARY["armed"] = True
+    found = {"slow": finals.Finalist({}, "inductor", model, runnable, 1.0)}
+    limits = finals.BuildLimits(None, first_s={"inductor": 0.1})
+    runner = SimpleNamespace(shapes=[Shape("8", ((x,), {}), 0.5), Shape("4", ((x[:4],), {}), 0.5)],
+                             study=SimpleNamespace(user_attrs={}))
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        kept = finals._settled(found, runner, limits)
+    assert time.monotonic() - started < 60
+    assert "slow" in kept and getattr(model, COMPILE_STATIC) is True and limits.static == {"inductor": True}
+    assert ("a call after its first compiled for over 1 s, over 5 times the inductor engine's first compile (dynamo "
+            "compiles a frame met at new sizes for sizes that vary); compiling it again for each shape apart") \
+        in caplog.text, caplog.text
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        for shape in runner.shapes:     # settled: the race's calls compile nothing
+            assert torch.allclose(kept["slow"].runnable(*shape.inputs[0]), model(*shape.inputs[0]))
+
+
 def test_the_cli_says_finalists_are_being_compiled_and_with_v_names_each(tmp_path, monkeypatch):
     """Compiling finalists can take minutes after "search stopped": without a word the run looks stuck."""
     monkeypatch.chdir(tmp_path)

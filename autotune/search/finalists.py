@@ -9,7 +9,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -63,9 +63,10 @@ STILL_COMPILING_S = 60.0   # a compile running this long is said to be still run
 FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first says how long its take: none starts
                         # nearer the timeout (one begun 1 s before it was stopped "after 0 s", having built nothing)
 # A finalist still compiling this many times as long as its engine's first finalist did, and at least SLOW_FLOOR_S, is
-# stopped and left out: on a Swin-V2, plain torch.compile of it took 70 s, and a plan whose eager int8 modules broke
-# its graph into frames run at each stage's sizes (dynamo then compiles them for sizes that vary) compiled for over
-# 16 minutes. A plan that slow to compile costs every process that deploys it as much.
+# stopped: on a Swin-V2, plain torch.compile of it took 70 s, and a plan whose eager int8 modules broke its graph into
+# frames run at each stage's sizes (dynamo then compiles them for sizes that vary) compiled for over 16 minutes, in
+# its first calls or in later ones (_settled); compiled for each shape apart, 29 s. So it is compiled again so where
+# its engine can, and left out where that is slow too: a plan that slow to compile costs every process deploying it.
 SLOW_RATIO = 5
 SLOW_FLOOR_S = 180.0
 
@@ -120,6 +121,12 @@ class BuildLimits:
             bounds.enter_context(interrupted_after(min(timeout_s, slow_s),
                                                    _PastTimeout if timeout_s <= slow_s else _TooSlow))
         return bounds
+
+    def slowness(self, engine: str) -> AbstractContextManager[None]:
+        """The block, stopped past `slow_after_s` (_TooSlow), not at the timeout: calls that compile only where
+        dynamo compiles again (_settled)."""
+        slow_s = self.slow_after_s(engine)
+        return nullcontext() if slow_s is None else interrupted_after(slow_s, _TooSlow)
 
     def note(self, finalist: Finalist) -> None:
         if finalist.runnable is not finalist.built:
@@ -539,6 +546,11 @@ def _built_and_called(engine: Engine, plan: Plan, runner: TrialRunner, calibrati
     except Exception as exc:   # compilers raise many kinds; each means this engine cannot run the model
         runnable = _compiled_shape_by_shape(engine, built, runner, limits,
                                             f"{engine.name}: the first call failed", exc)
+    except _TooSlow as exc:
+        if not _may_compile_static(engine, built, limits):
+            raise
+        slow = _slow_calls(f"{engine.name}: its first calls", engine.name, limits)
+        runnable = _compiled_shape_by_shape(engine, built, runner, limits, slow, exc)
     return Finalist(plan, engine.name, built, runnable, time.perf_counter() - started, knobs)
 
 
@@ -549,27 +561,46 @@ def _called_at_every_shape(runnable: nn.Module, runner: TrialRunner) -> None:
 
 
 def _compiled_shape_by_shape(engine: Engine, built: nn.Module, runner: TrialRunner, limits: BuildLimits,
-                             failed: str, exc: Exception) -> nn.Module:
+                             failed: str, exc: BaseException) -> nn.Module:
     """`built` compiled for each shape apart and called at every shape, where a call compiled for sizes that vary
-    raised `exc` (`failed`: how that call is said); `limits.static` learns how that went.
+    raised `exc` or was too slow (`failed`: how that call is said); `limits.static` learns how that went.
 
     Raises:
-        EngineUnavailable: `exc`'s call was compiled so already, the engine cannot compile so, or it failed too.
+        EngineUnavailable: `exc`'s call was compiled so already, the engine cannot compile so, or it failed or
+            was too slow too.
+        _PastTimeout: the run's timeout passed meanwhile.
     """
-    said = f"{failed}: {describe(exc)}"
-    if (getattr(built, COMPILE_STATIC, False) or not engine.compiles_static_when_marked
-            or limits.static.get(engine.name) is False):
+    said = f"{failed}: {describe(exc)}" if isinstance(exc, Exception) else failed
+    if not _may_compile_static(engine, built, limits):
         raise EngineUnavailable(said) from exc
     log.info("%s; compiling it again for each shape apart", said)
     setattr(built, COMPILE_STATIC, True)
     runnable = engine.runnable(built)
+    started = time.perf_counter()
     try:
-        _called_at_every_shape(runnable, runner)
+        with limits.bounding(engine.name):
+            _called_at_every_shape(runnable, runner)
+    except _TooSlow:
+        limits.static[engine.name] = False
+        raise EngineUnavailable(f"{said}; compiled for each shape apart, it was stopped after "
+                                f"{time.perf_counter() - started:.0f} s too") from None
     except Exception as again:
         limits.static[engine.name] = False
         raise EngineUnavailable(f"{said}; compiled for each shape apart: {describe(again)}") from again
     limits.static[engine.name] = True
     return runnable
+
+
+def _may_compile_static(engine: Engine, built: nn.Module, limits: BuildLimits) -> bool:
+    """Whether `built`, compiled for sizes that vary, may be compiled again for each shape apart: it was not so
+    already, its engine can, and compiling so has not failed in the run."""
+    return (not getattr(built, COMPILE_STATIC, False) and engine.compiles_static_when_marked
+            and limits.static.get(engine.name) is not False)
+
+
+def _slow_calls(calls: str, engine: str, limits: BuildLimits) -> str:
+    return (f"{calls} compiled for over {limits.slow_after_s(engine):.0f} s, over {SLOW_RATIO} times the {engine} "
+            f"engine's first compile (dynamo compiles a frame met at new sizes for sizes that vary)")
 
 
 def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimits) -> dict[str, Finalist]:
@@ -579,8 +610,9 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
     several widths), and finalists share the frames below a graph break, so one finalist's new entries can route
     another's next call into frames it has not run. On a MobileNet with int8 squeeze-excitation convolutions the
     race timed inductor finalists at up to 155x fp32's time that way, and never chose them. A finalist whose calls
-    now fail (they did not at first: a size made dynamic) is compiled again for each shape apart
-    (_compiled_shape_by_shape), or, where that fails too, left out with its reason logged. One that compiled again
+    now fail (they did not at first: a size made dynamic), or compile past `limits.slowness` (a Swin-V2's inductor
+    finalist compiled for sizes that vary for over 11 minutes here, built in 109 s), is compiled again for each shape
+    apart (_compiled_shape_by_shape), or, where that fails too, left out with its reason logged. One that compiled again
     in every pass compiles at every call, and is left out with dynamo's reason (_recompiling)."""
     compiled = {name: finalist for name, finalist in found.items() if finalist.runnable is not finalist.built}
     shapes = runner.shapes
@@ -590,7 +622,7 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
         for name, finalist in list(compiled.items()):
             started = time.perf_counter()
             try:
-                with as_eval_fn_calls(runner):
+                with as_eval_fn_calls(runner), limits.slowness(finalist.engine):
                     try:
                         with torch.compiler.set_stance("fail_on_recompile"):
                             for shape in shapes:
@@ -600,13 +632,16 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
                         recompiled[name].append(str(again))
                         for shape in shapes:
                             call(finalist.runnable, shape.inputs)
-            except Exception as exc:   # compilers raise many kinds
+            except (Exception, _TooSlow) as exc:   # compilers raise many kinds
+                failed = ("a call after its first failed" if isinstance(exc, Exception)
+                          else _slow_calls("a call after its first", finalist.engine, limits))
                 try:
                     finalist.runnable = _compiled_shape_by_shape(get_engine(finalist.engine), finalist.built, runner,
-                                                                 limits, "a call after its first failed", exc)
+                                                                 limits, failed, exc)
                     compiling = True
-                except EngineUnavailable as unavailable:
-                    log.warning("%s is left out: %s", name, unavailable)
+                except (EngineUnavailable, _PastTimeout) as unavailable:
+                    log.warning("%s is left out: %s", name, unavailable if isinstance(unavailable, EngineUnavailable)
+                                else f"{failed}; the run's timeout passed while it compiled for each shape apart")
                     del compiled[name], found[name]
                     continue
             finalist.setup_s += time.perf_counter() - started
