@@ -1014,7 +1014,7 @@ def test_finalists_whose_trials_missed_the_tolerance_are_built_after_every_engin
         return ready(engine, plan, *args, **kwargs)
 
     monkeypatch.setattr(finals, "_ready", counted)
-    monkeypatch.setattr(finals, "missed", lambda runner, plan: "int8" in plan.values())   # as if int8 had missed
+    monkeypatch.setattr(finals, "trial_missed", lambda runner, plan: "int8" in plan.values())   # as if int8 had missed
     model, x = mlp(), batches(1)[0][0][0]
     autotune(model, config(tmp_path, engines=["eager", "compiled", "inductor"]), fidelity(model), x,
              measurer=CompiledIsFaster())

@@ -367,7 +367,7 @@ def test_the_inductor_engine_builds_no_plan_holding_int8_that_the_compiled_engin
     from autotune.storage.study import trial_plan
 
     if compiled == "fast but missed":   # as if every plan holding int8 had missed its trial, or a part of it had
-        monkeypatch.setattr(finals, "missed", lambda runner, plan: "int8" in plan.values())
+        monkeypatch.setattr(finals, "trial_missed", lambda runner, plan: "int8" in plan.values())
     if compiled == "unavailable":
         def cannot_export(self, fp32, plan, calibration):
             raise EngineUnavailable("torch.export cannot trace this model")
