@@ -600,7 +600,7 @@ def _may_compile_static(engine: Engine, built: nn.Module, limits: BuildLimits) -
 
 def _slow_calls(calls: str, engine: str, limits: BuildLimits) -> str:
     return (f"{calls} compiled for over {limits.slow_after_s(engine):.0f} s, over {SLOW_RATIO} times the {engine} "
-            f"engine's first compile (dynamo compiles a frame met at new sizes for sizes that vary)")
+            "engine's first")
 
 
 def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimits) -> dict[str, Finalist]:
