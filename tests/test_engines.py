@@ -2129,6 +2129,38 @@ def test_a_finished_study_run_again_builds_only_its_recorded_compiled_winner(tmp
     assert again.speedup == pytest.approx(2.5)
 
 
+def test_a_recorded_winner_rebuilding_far_longer_than_it_built_is_stopped_and_its_finalists_chosen_again(
+        tmp_path, monkeypatch, caplog):
+    """Rebuilding a finished study's recorded best had no bound: a compile that hangs where the study is run again
+    (another host, another torch) hung the run. It is stopped as a finalist is, against its own recorded build."""
+    from autotune.search import finalists as finals
+    model, x = mlp(), batches(1)[0][0][0]
+    first = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    recorded_s = first.study.user_attrs["autotune.best"]["setup_s"]
+    assert first.engine == "compiled" and recorded_s > 0
+    built_and_called, calls = finals._built_and_called, []
+
+    def hangs_once(*args, **kwargs):     # the rebuild hangs; the finalists chosen again build as they did
+        calls.append(args[0].name)
+        if len(calls) == 1:
+            time.sleep(600)
+        return built_and_called(*args, **kwargs)
+
+    monkeypatch.setattr(finals, "_built_and_called", hangs_once)
+    monkeypatch.setattr(finals, "SLOW_RATIO", 2)
+    monkeypatch.setattr(finals, "SLOW_FLOOR_S", 1.0)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        again = autotune(model, config(tmp_path), fidelity(model), x, measurer=CompiledIsFaster())
+    assert time.monotonic() - started < 120
+    said = re.search(r"the study's best plan does not build again \(EngineUnavailable: its compile was stopped "
+                     r"after (\d+) s, over 2 times its build when the study was tuned \((\d+\.\d) s\): .*\): its "
+                     r"finalists are chosen again", caplog.text)
+    assert said and float(said[2]) == pytest.approx(recorded_s, abs=0.05), caplog.text
+    assert int(said[1]) <= max(1.0, 2 * recorded_s) + 2
+    assert len(calls) > 1 and again.engine == "compiled" and again.plan == first.plan
+
+
 def test_a_compiled_model_takes_eval_and_train_as_an_evaluate_function_calls_them(tmp_path):
     """torch.export's graphs refuse train() and eval(): an eval_fn starting with `model.eval()` failed on every
     compiled finalist ("re-evaluation failed (NotImplementedError ...)"), so the compiled engine could never win, and

@@ -82,12 +82,14 @@ class BuildLimits:
     run's compiles said of sizes that vary (`static`, {engine: whether compiling shape by shape then worked}): an
     engine whose compile for them failed compiles its later finalists shape by shape from the start (on CvT each
     failed compile took a minute), or, where that failed too, never tries it again. And the first compile of each
-    engine (`first_s`), past which a later one is too slow (`slow_after_s`)."""
+    engine (`first_s`), past which a later one is too slow (`slow_after_s`); `first_said`: what that compile was,
+    where it was not the engine's first in this run (a recorded best's, rebuilt)."""
     at: float | None
     memory: BuildMemory | None = None
     longest_s: dict[str, float] = field(default_factory=dict)
     static: dict[str, bool] = field(default_factory=dict)
     first_s: dict[str, float] = field(default_factory=dict)
+    first_said: str | None = None
 
     def stop_reason(self, engine: str) -> str | None:
         """Why no finalist of `engine` starts now, or None."""
@@ -121,6 +123,11 @@ class BuildLimits:
             bounds.enter_context(interrupted_after(min(timeout_s, slow_s),
                                                    _PastTimeout if timeout_s <= slow_s else _TooSlow))
         return bounds
+
+    def too_slow(self, engine: str) -> str:
+        """What a compile stopped past `slow_after_s` ran longer than, in words."""
+        first = self.first_said or f"the {engine} engine's first"
+        return f"over {SLOW_RATIO} times {first} ({self.first_s[engine]:.1f} s)"
 
     def slowness(self, engine: str) -> AbstractContextManager[None]:
         """The block, stopped past `slow_after_s` (_TooSlow), not at the timeout: calls that compile only where
@@ -198,15 +205,19 @@ def finalists(runner: TrialRunner, verdicts: Verdicts, deadline: float | None = 
 
 
 def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...], name: str,
-            static: bool = False) -> Finalist:
+            static: bool = False, setup_s: float | None = None) -> Finalist:
     """One plan built again in `engine` with `knobs` (read back from the study's compile cache where it holds it),
     called until it compiles nothing more; compiled for each shape apart from the start where it was (`static`):
-    its compile for sizes that vary failed, a minute or more on CvT, each time the study was run again.
+    its compile for sizes that vary failed, a minute or more on CvT, each time the study was run again. Stopped as
+    too slow (SLOW_RATIO) against the `setup_s` its build took when the study was tuned, as a finalist is against its
+    engine's first: nothing else bounds it.
 
     Raises:
-        EngineUnavailable: building it or calling it failed.
+        EngineUnavailable: building it or calling it failed, or was too slow.
     """
-    compiling, limits = engine != "eager", BuildLimits(None, static={engine: True} if static else {})
+    compiling = engine != "eager"
+    limits = BuildLimits(None, static={engine: True} if static else {},
+                         first_s={engine: setup_s} if setup_s else {}, first_said="its build when the study was tuned")
     calibration = Calibration(runner.batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
                       name=name, compiling=limits if compiling else None)
@@ -518,9 +529,8 @@ def _ready(engine: Engine, plan: Plan, runner: TrialRunner, calibration: Calibra
                               f"{time.perf_counter() - started:.0f} s), so it builds no more finalists") from None
     except _TooSlow:
         raise EngineUnavailable(
-            f"its compile was stopped after {time.perf_counter() - started:.0f} s, over {SLOW_RATIO} times the "
-            f"{engine.name} engine's first ({compiling.first_s[engine.name]:.1f} s): a plan that slow to compile "
-            "costs as much wherever it is deployed") from None
+            f"its compile was stopped after {time.perf_counter() - started:.0f} s, {compiling.too_slow(engine.name)}: "
+            "a plan that slow to compile costs as much wherever it is deployed") from None
     if finalist.runnable is not finalist.built:
         log.info("finalist %s built and compiled in %.1f s", name, finalist.setup_s)
     return finalist
@@ -599,8 +609,7 @@ def _may_compile_static(engine: Engine, built: nn.Module, limits: BuildLimits) -
 
 
 def _slow_calls(calls: str, engine: str, limits: BuildLimits) -> str:
-    return (f"{calls} compiled for over {limits.slow_after_s(engine):.0f} s, over {SLOW_RATIO} times the {engine} "
-            "engine's first")
+    return f"{calls} compiled for over {limits.slow_after_s(engine):.0f} s, {limits.too_slow(engine)}"
 
 
 def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimits) -> dict[str, Finalist]:

@@ -152,7 +152,8 @@ def _recorded_winner(runner: TrialRunner) -> Winner | None:
             by_shape = latency_by_shape(runner.measurer, {"fp32": runner.fp32}, runner.shapes, runner.config.repeats)
         return _fp32_winner(runner, by_shape, recorded=True)
     try:
-        finalist = rebuilt(runner, best["plan"], best["engine"], knobs, name, best.get("compile_static", False))
+        finalist = rebuilt(runner, best["plan"], best["engine"], knobs, name, best.get("compile_static", False),
+                           best.get("setup_s"))
     except EngineUnavailable as exc:
         log.warning("the study's best plan does not build again (%s): its finalists are chosen again", describe(exc))
         return None
