@@ -1943,12 +1943,7 @@ def _tripled_shapes(x):
     return torch.empty_like(x)
 
 
-class WithTripled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
-
+class WithTripled(WithDoubled):
     def forward(self, x):
         return self.b(tripled(torch.relu(self.a(x))))
 
