@@ -176,12 +176,13 @@ class Worker:
     def _take_back_orphans(self) -> None:
         """Takes back a queued job this worker left for others that allow its imports once none of them is live any
         more, so that it fails with its reason (as a job no live worker allows does when taken): it stayed queued
-        for workers that had stopped, for as long as this one ran."""
+        for workers that had stopped, for as long as this one ran. Forgets the jobs left that have ended: `take`
+        hands out none of them, and each was read again at every poll."""
         if not self.leaving:
             return
         others = [worker for worker in self.queue.live_workers() if worker.id != self.id]
         for job_id, named in list(self.leaving.items()):
-            if not allowing(named, others) and self.queue.get(job_id).state == QUEUED:
+            if not allowing(named, others) and self.queue.get(job_id).state not in (RUNNING, FINISHING):
                 del self.leaving[job_id]
 
     def _run(self, job: Job, config: FileConfig, tuning: TuningConfig, storage: RDBStorage, started: float) -> None:
