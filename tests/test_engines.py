@@ -2074,6 +2074,36 @@ def test_a_uniform_plan_never_tried_is_no_finalist_where_a_part_of_it_missed_by_
     assert "uniform int8 is not a finalist: int8×2 fp32×1, a part of it, lost 20.0 tolerances" in caplog.text
 
 
+def test_a_dtype_no_faster_than_fp32_eagerly_and_far_slower_than_a_passing_plan_gets_no_uniform_finalist(caplog):
+    """On an AMX Xeon fp16 matmuls run at fp32's speed: ImageGPT's uniform fp16, compiled in two engines, raced at
+    0.86-0.89 of fp32's time, as fp32 compiled did, where bf16 plans that passed raced at 0.47-0.58. A dtype with
+    faster kernels (bf16 here, fp16 on a GPU) stays, as do all where no plan passed that is that much faster."""
+    from types import SimpleNamespace
+
+    from autotune.plan import plan_key
+    from autotune.search.finalist_plans import without_outrun
+    from autotune.search.trials import Outcome
+
+    uniform = {dtype: {"a": dtype, "b": dtype, "c": "fp32"} for dtype in ("bf16", "fp16", "int8")}
+    latency = {"a": {"bf16": 0.4, "fp16": 1.1, "int8": 1.2, "fp32": 1.0},
+               "b": {"bf16": 0.4, "fp16": 1.1, "int8": 1.2, "fp32": 1.0}, "c": {"fp32": 0.2}}
+    bf16_part = {"a": "bf16", "b": "bf16", "c": "fp32"}
+
+    def runner(loss):
+        return SimpleNamespace(outcomes={plan_key(bf16_part): Outcome(0.5, loss, 0.01)})
+    with caplog.at_level("INFO", logger="autotune"):
+        # int8 slower still eagerly stays: its compiled kernels are its own
+        assert without_outrun(runner(0.005), uniform, latency) == {"bf16": uniform["bf16"], "int8": uniform["int8"]}
+    assert ("uniform fp16 is not a finalist: its modules took 1.09x their fp32 time eagerly, and 2.4x the time of "
+            "bf16×2 fp32×1, which passed its trial") in caplog.text
+    assert without_outrun(runner(0.02), uniform, latency) == uniform        # the bf16 plan missed
+    latency["a"]["fp16"] = latency["b"]["fp16"] = 0.9                      # faster kernels than fp32's
+    assert without_outrun(runner(0.005), uniform, latency) == uniform
+    latency["a"]["fp16"] = latency["b"]["fp16"] = 1.0
+    latency["a"]["bf16"] = latency["b"]["bf16"] = 0.8                      # a passing plan only 1.25x faster
+    assert without_outrun(runner(0.005), uniform, latency) == uniform
+
+
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_compiled_finalists_are_compiled_for_the_grad_mode_eval_fn_calls_them_in(tmp_path, grad_mode):
     """A compiled model's graphs are made per autograd mode: finalists settled under inference_mode were compiled

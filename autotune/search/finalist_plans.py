@@ -24,6 +24,9 @@ FAR_MISS = 2.0     # tolerances a uniform plan's own trial lost, from which no e
 # even making them free gains less than the finalists' race tells apart. A ViT's patch convolution, 3 % of it, cost
 # channels_last four finalists (25 s of a 220 s run) that raced no faster.
 KNOB_MIN_SHARE = 0.05
+# How many times a passing plan's time a uniform plan's modules took eagerly, where they took no less than their
+# fp32 time, for it to be no finalist (without_outrun).
+OUTRUN = 1.5
 
 
 @dataclass
@@ -143,6 +146,37 @@ def without_far_misses(runner: TrialRunner, uniform: dict[str, Plan]) -> dict[st
         else:
             kept[dtype] = plan
     return kept
+
+
+def without_outrun(runner: TrialRunner, uniform: dict[str, Plan], latency: dict[str, dict[str, float]]
+                   ) -> dict[str, Plan]:
+    """`uniform` without the plans of the float dtypes whose modules took no less than their fp32 time eagerly and
+    OUTRUN times or more that of a lowered plan that passed its trial (each left out is logged). Such a dtype's
+    kernels are no faster than fp32's: compiled, its plan runs about as the fp32 plan compiled does, far behind that
+    passing plan. On an AMX Xeon (avx512_fp16, but fp16 matmuls at fp32's speed), ImageGPT's, ViTDet's and SigLIP-2's
+    fp16 modules took 1.15-1.34x their fp32 time eagerly, 2.5-3.6x a passing plan's; their uniform fp16 plans,
+    compiled in the inductor and lowp engines, raced at 0.86-1.18 of fp32's time, as fp32 compiled did (0.89-1.09),
+    where the winners raced at 0.47-0.60, after 17-43 s of compiling. A dtype with faster kernels
+    (bf16 where the CPU has them, fp16 on a GPU) stays: compiling can take it past a plan faster eagerly."""
+    passing = [plan for key, outcome in runner.outcomes.items()
+               if outcome.passed and not is_baseline(plan := plan_of_key(key))]
+    fastest = min(passing, key=lambda plan: _eager_ms(plan, latency), default=None)
+    kept = dict(uniform)
+    for dtype, plan in uniform.items():
+        if dtype == "int8" or fastest is None:   # int8: compiled kernels of its own (own_int8)
+            continue
+        ms, fp32_ms = _eager_ms(plan, latency), _eager_ms({name: "fp32" for name in plan}, latency)
+        ratio = ms / max(_eager_ms(fastest, latency), 1e-12)
+        if ms >= fp32_ms and ratio >= OUTRUN:
+            log.info("uniform %s is not a finalist: its modules took %.2fx their fp32 time eagerly, and %.1fx the "
+                     "time of %s, which passed its trial", dtype, ms / fp32_ms, ratio, summarize(fastest))
+            del kept[dtype]
+    return kept
+
+
+def _eager_ms(plan: Plan, latency: dict[str, dict[str, float]]) -> float:
+    """The plan's tuned modules' summed eager time, each in its dtype (modules never timed count nothing)."""
+    return sum(latency[name][dtype] for name, dtype in plan.items() if name in latency and dtype in latency[name])
 
 
 def trial_missed(runner: TrialRunner, plan: Plan) -> bool:

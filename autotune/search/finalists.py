@@ -47,6 +47,7 @@ from autotune.search.finalist_plans import (
     trial_missed,
     uniform_finalists,
     without_far_misses,
+    without_outrun,
 )
 from autotune.search.scores import GRAD_MODE_ATTR, OWN_CALLERS_ATTR, compiled_in_place
 from autotune.search.trials import TrialRunner
@@ -171,7 +172,7 @@ def finalists(runner: TrialRunner, verdicts: Verdicts, deadline: float | None = 
     paying = uniform_finalists(candidates, latency)
     # Once, with the int8 plan the engines with kernels of their own get: both log what they leave out, and the far
     # misses' check reads the study.
-    every = without_far_misses(runner, {**paying, **own_int8(candidates, paying)})
+    every = without_outrun(runner, without_far_misses(runner, {**paying, **own_int8(candidates, paying)}), latency)
     uniform = {dtype: plan for dtype, plan in every.items() if dtype in paying}
     knobs = knobs_to_try(runner, candidates, latency)
     engines = list(map(get_engine, runner.config.engines))
