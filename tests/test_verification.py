@@ -592,3 +592,50 @@ class ExportedAt(HalvesPerLowered):
                 **{name: LatencyStats(FP32_MS * self.ratio, 0.0, repeats) for name in models if name not in readable},
                 **{name: LatencyStats(FP32_MS * ratio, 0.0, repeats) for name, ratio in self.ahead.items()
                    if name in models}}
+
+
+def test_a_lowp_finalist_whose_trial_leaves_less_than_another_lost_beyond_its_own_trial_is_not_evaluated(caplog):
+    """The lowp engine runs the model outside the plan in the low dtype too, the same part in each of its finalists:
+    on Cohere three lowp finalists, each from a trial that had passed, missed by 1.6-1.8 tolerances, an eval_fn call
+    each. Once one lost that much beyond its own trial, a finalist whose trial leaves less room is not evaluated;
+    one whose trial leaves more is, as are other engines' finalists, and the least loss beyond a trial counts."""
+    from types import SimpleNamespace
+
+    import optuna
+
+    from autotune.search.finalist_plans import Finalist
+    from autotune.search.trials import Outcome
+    from autotune.search.verdicts import Verdicts
+
+    plans = {name: {"0": "bf16", "1": dtype, "2": low}
+             for name, (dtype, low) in {"a": ("bf16", "bf16"), "b": ("bf16", "fp32"), "c": ("fp32", "fp32"),
+                                        "d": ("fp32", "bf16")}.items()}
+    trial_loss = {"a": 0.009, "b": 0.005, "c": 0.001, "d": 0.002}
+    finalist_loss = {"a": 0.018, "c": 0.008}          # lowp: 0.9 tolerances beyond "a"'s trial, 0.7 beyond "c"'s
+    model = nn.Linear(2, 2)
+    scores = []
+
+    def eval_fn(finalist_model):
+        name = finalist_model.which
+        scores.append(name)
+        return 1.0 - finalist_loss.get(name, trial_loss[name])
+    runner = SimpleNamespace(
+        config=TuningConfig(tolerable_loss=0.01, loss_kind="absolute"), baseline=1.0, eval_fn=eval_fn, eval_calls=0,
+        study=optuna.create_study(),
+        outcomes={plan_key(plan): Outcome(0.5, trial_loss[name], 0.01) for name, plan in plans.items()})
+
+    def finalist(name, engine="lowp"):
+        marked = nn.Linear(2, 2)
+        marked.which = name
+        return Finalist(plans[name], engine, model, marked, 1.0)
+    verdicts = Verdicts(runner)
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        assert verdicts.passing_score("a (lowp)", finalist("a")) is None              # evaluated: misses
+        assert verdicts.passing_score("b (lowp)", finalist("b")) is None              # 0.5 + 0.9 > 1: not
+        assert verdicts.passing_score("b (inductor)", finalist("b", "inductor")) == pytest.approx(0.995)
+        assert verdicts.passing_score("c (lowp)", finalist("c")) == pytest.approx(0.992)   # 0.1 + 0.9 <= 1
+        assert verdicts.passing_score("d (lowp)", finalist("d")) == pytest.approx(0.998)   # 0.2 + 0.7 (c's) <= 1
+    assert scores == ["a", "b", "c", "d"] and runner.eval_calls == 4
+    assert ("b (lowp) is not evaluated: its trial lost 0.50 tolerances, and a (lowp) lost 0.90 more than its own "
+            "trial (its engine runs the model outside the plan in bf16 too)") in caplog.text
+    assert verdicts.outcomes["b (lowp)"].startswith("not evaluated: its trial lost 0.50 tolerances")

@@ -9,7 +9,7 @@ import torch
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, get_engine
 from autotune.errors import describe
-from autotune.plan import plan_key
+from autotune.plan import Plan, plan_key
 from autotune.search.finalist_plans import Finalist
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
@@ -29,6 +29,9 @@ class Verdicts:
         self.rejected: dict[tuple, str] = {}   # numerics of a finalist that missed or failed -> its name
         self.passed: dict[tuple, float] = {}   # numerics of a finalist that passed -> its score
         self.outcomes: dict[str, str] = {}     # finalist -> how its re-evaluation went
+        # (engine, low dtype, knobs) of an engine running the model outside the plan low too -> the least tolerances
+        # its finalists lost beyond their own trials', and whose that was
+        self.beyond_trial: dict[tuple, tuple[float, str]] = {}
 
     def note(self, name: str, outcome: str) -> None:
         self.outcomes[name] = outcome
@@ -55,6 +58,10 @@ class Verdicts:
             return None
         if key in self.passed:   # a twin of one that passed, then ran no faster timed again
             return self.passed[key]
+        if (why := self._predicted_to_miss(finalist)) is not None:
+            log.info("%s is not evaluated: %s", name, why)
+            self.note(name, f"not evaluated: {why}")
+            return None
         self.rejected[key] = name    # until it passes
         self.runner.eval_calls += 1
         try:
@@ -67,6 +74,7 @@ class Verdicts:
         loss, passes = config.accuracy_loss(baseline, accuracy), config.passes(baseline, accuracy)
         self.note(name, f"{'passed' if passes else 'missed'}: score {accuracy:.6g}, loss {loss:.4g}")
         self._scored_twice(name, finalist, loss)
+        self._note_beyond_trial(name, finalist, loss)
         if not passes:
             log.warning("%s missed the requirement when evaluated for the win (score %.6g, a loss of %.4g where "
                         "%.4g is tolerable); trying the next", name, accuracy, loss, config.tolerable_loss)
@@ -74,6 +82,36 @@ class Verdicts:
         del self.rejected[key]
         self.passed[key] = accuracy
         return accuracy
+
+    def _predicted_to_miss(self, finalist: Finalist) -> str | None:
+        """Why `finalist` would miss, where its engine runs the model outside the plan in the plan's low dtype too
+        (lowp): one of that engine's finalists (same dtype and knobs) lost beyond its own trial's loss at least what
+        this one's trial leaves of the tolerance. That part of the model is the same in each such finalist, so what
+        it adds to a trial's loss is much the same: on BitNet, trial 9 in lowp lost 1.95 tolerances where its trial
+        had lost 0.95, and trials 8 and 7, whose trials had lost 0.98 and 0.93, are not evaluated (Nemotron: 2.00
+        from 0.85; on Cohere three lowp finalists of passing trials missed by 1.6-1.8, an eval_fn call each)."""
+        known = self.beyond_trial.get(_beyond_trial_key(finalist))
+        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        if known is None or trial is None or trial.tolerances_lost is None:
+            return None
+        beyond, whose = known
+        if trial.tolerances_lost + beyond <= 1:
+            return None
+        return (f"its trial lost {trial.tolerances_lost:.2f} tolerances, and {whose} lost {beyond:.2f} more than its "
+                f"own trial (its engine runs the model outside the plan in "
+                f"{_low_dtype(finalist.plan)} too)")
+
+    def _note_beyond_trial(self, name: str, finalist: Finalist, loss: float) -> None:
+        """Keeps the least that an evaluated finalist of an engine lowering the model outside the plan lost beyond
+        its own trial's loss, in tolerances (_predicted_to_miss)."""
+        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        tolerable = self.runner.config.tolerable_loss
+        if (not get_engine(finalist.engine).lowers_unplanned or trial is None or trial.tolerances_lost is None
+                or tolerable <= 0):
+            return
+        key, beyond = _beyond_trial_key(finalist), loss / tolerable - trial.tolerances_lost
+        if key not in self.beyond_trial or beyond < self.beyond_trial[key][0]:
+            self.beyond_trial[key] = (beyond, name)
 
     def missed(self, finalist: Finalist) -> bool:
         """Whether `finalist`, or a twin computing what it does, was evaluated and missed (or eval_fn failed)."""
@@ -109,6 +147,14 @@ def numerics(finalist: Finalist, without: tuple[str, ...] = ()) -> tuple:
     call to miss by the same score). `without`: the key of the finalist's model without those knobs."""
     changing = tuple(name for name in finalist.knobs if not KNOBS[name].keeps_values and name not in without)
     return type(get_engine(finalist.engine)).build, plan_key(finalist.plan), changing, _compiled_in_half(finalist)
+
+
+def _beyond_trial_key(finalist: Finalist) -> tuple:
+    return finalist.engine, _low_dtype(finalist.plan), finalist.knobs
+
+
+def _low_dtype(plan: Plan) -> str:
+    return next((dtype for dtype in plan.values() if dtype != "fp32"), "fp32")
 
 
 def _lowering_more(finalist: Finalist) -> tuple[str, ...]:
