@@ -144,9 +144,11 @@ def test_rss_stays_bounded_over_200_trials(tmp_path, one_torch_thread):
     passed = sum(bool(t.user_attrs.get("passed")) for t in evaluated)
     assert len(evaluated) == TRIALS, f"{len(evaluated)} trials"
     assert 0 < passed < len(evaluated), "the eval_fn should make some plans pass and some fail"
-    # The work is bounded by counts, not by time: the baseline, one call per trial, at most one per finalist.
+    # The work is bounded by counts, not by time: the baseline, one call per trial, at most one per finalist. Whether
+    # any finalist is re-evaluated is the timing's to say: on a busy AMX Xeon no int8 plan raced faster than fp32,
+    # and fp32 was kept without a call.
     assert eval_fn.calls == result.eval_calls
-    assert 1 + TRIALS < eval_fn.calls <= 1 + TRIALS + MAX_FINALISTS
+    assert 1 + TRIALS <= eval_fn.calls <= 1 + TRIALS + MAX_FINALISTS
 
     start, end = eval_fn.rss_at[WARM_AFTER], eval_fn.rss_at[TRIALS]
     trend = slope(eval_fn.rss_at)
