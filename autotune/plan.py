@@ -38,6 +38,12 @@ def is_baseline(plan: Plan) -> bool:
     return all(dtype == "fp32" for dtype in plan.values())
 
 
+def low_dtype(plan: Plan) -> str:
+    """The first dtype the plan lowers a module to ("fp32" where it lowers none): the one low dtype of a plan that
+    holds only one, as the lowp engine's plans do."""
+    return next((dtype for dtype in plan.values() if dtype != "fp32"), "fp32")
+
+
 def summarize(plan: Plan, kept: str = "fp32") -> str:
     """`int8×2 fp32×1`: how many modules take each dtype, lowered dtypes first (in registration order). `kept`
     names what "fp32" (the module as it is) holds: a model handed over in bf16 keeps its modules bf16."""

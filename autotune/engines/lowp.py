@@ -18,7 +18,7 @@ from autotune.clone import clone
 from autotune.engines.base import Calibration, compile_runnable, hooks_on_it_unsaved, how_to_compile, save_module
 from autotune.fused_paths import calls_children_as_modules
 from autotune.model_call import STATE_DTYPE, entry_paths
-from autotune.plan import Plan
+from autotune.plan import Plan, low_dtype
 from autotune.tree import map_tensors
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,7 +81,7 @@ class LowPrecisionEngine:
         return hooks_on_it_unsaved(fp32)     # the casts at the model's edges
 
     def build(self, fp32: nn.Module, plan: Plan, calibration: Calibration) -> nn.Module:
-        low = LOW[next(dtype for dtype in plan.values() if dtype != "fp32")]
+        low = LOW[low_dtype(plan)]
         model = clone(fp32).to(low)
         _cast_tensor_attributes(model, low)
         _cast_at_edges(model, low, torch.float32)

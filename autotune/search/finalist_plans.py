@@ -13,7 +13,7 @@ from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, EagerEngine, Engine, Knob, get_engine
 from autotune.engines.knobs import MATMUL_MODULES
 from autotune.measure.module_latency import HOPELESS_RATIO
-from autotune.plan import Plan, is_baseline, plan_key, plan_of_key, summarize, uniform_plan
+from autotune.plan import Plan, is_baseline, low_dtype, plan_key, plan_of_key, summarize, uniform_plan
 from autotune.search.trials import TrialRunner
 from autotune.storage import study as studies
 
@@ -219,8 +219,7 @@ def below_a_missed_plan(runner: TrialRunner, engine: str, plan: Plan, knobs: tup
     in numerics of its own (the compiled engine: see FAR_MISS)."""
     lowering = [(name, low) for name in knobs if (low := KNOBS[name].runs_in(runner.fp32)) is not None]
     if engine == "lowp":
-        low = next(dtype for dtype in plan.values() if dtype != "fp32")
-        runs, how = plan, f" (and the lowp engine runs the modules outside the plan in {low} too)"
+        runs, how = plan, f" (and the lowp engine runs the modules outside the plan in {low_dtype(plan)} too)"
     elif lowering:
         (knob, dtype), modules = lowering[0], dict(runner.fp32.named_modules())
         runs = {name: dtype if chosen == "fp32" and isinstance(modules.get(name), MATMUL_MODULES) else chosen

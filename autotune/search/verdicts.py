@@ -9,7 +9,7 @@ import torch
 from autotune.config.tuning import TuningConfig
 from autotune.engines import KNOBS, get_engine
 from autotune.errors import describe
-from autotune.plan import Plan, plan_key
+from autotune.plan import low_dtype, plan_key
 from autotune.search.finalist_plans import Finalist
 from autotune.search.scores import scored
 from autotune.search.trials import TrialRunner
@@ -99,7 +99,7 @@ class Verdicts:
             return None
         return (f"its trial lost {trial.tolerances_lost:.2f} tolerances, and {whose} lost {beyond:.2f} more than its "
                 f"own trial (its engine runs the model outside the plan in "
-                f"{_low_dtype(finalist.plan)} too)")
+                f"{low_dtype(finalist.plan)} too)")
 
     def _note_beyond_trial(self, name: str, finalist: Finalist, loss: float) -> None:
         """Keeps the least that an evaluated finalist of an engine lowering the model outside the plan lost beyond
@@ -150,11 +150,7 @@ def numerics(finalist: Finalist, without: tuple[str, ...] = ()) -> tuple:
 
 
 def _beyond_trial_key(finalist: Finalist) -> tuple:
-    return finalist.engine, _low_dtype(finalist.plan), finalist.knobs
-
-
-def _low_dtype(plan: Plan) -> str:
-    return next((dtype for dtype in plan.values() if dtype != "fp32"), "fp32")
+    return finalist.engine, low_dtype(finalist.plan), finalist.knobs
 
 
 def _lowering_more(finalist: Finalist) -> tuple[str, ...]:
