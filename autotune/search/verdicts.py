@@ -12,7 +12,7 @@ from autotune.errors import describe
 from autotune.plan import low_dtype, plan_key
 from autotune.search.finalist_plans import Finalist
 from autotune.search.scores import scored
-from autotune.search.trials import TrialRunner
+from autotune.search.trials import Outcome, TrialRunner
 from autotune.storage import study as studies
 
 log = logging.getLogger("autotune")
@@ -91,7 +91,7 @@ class Verdicts:
         had lost 0.95, and trials 8 and 7, whose trials had lost 0.98 and 0.93, are not evaluated (Nemotron: 2.00
         from 0.85; on Cohere three lowp finalists of passing trials missed by 1.6-1.8, an eval_fn call each)."""
         known = self.beyond_trial.get(_beyond_trial_key(finalist))
-        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        trial = self._trial(finalist)
         if known is None or trial is None or trial.tolerances_lost is None:
             return None
         beyond, whose = known
@@ -104,7 +104,7 @@ class Verdicts:
     def _note_beyond_trial(self, name: str, finalist: Finalist, loss: float) -> None:
         """Keeps the least that an evaluated finalist of an engine lowering the model outside the plan lost beyond
         its own trial's loss, in tolerances (_predicted_to_miss)."""
-        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        trial = self._trial(finalist)
         tolerable = self.runner.config.tolerable_loss
         if (not get_engine(finalist.engine).lowers_unplanned or trial is None or trial.tolerances_lost is None
                 or tolerable <= 0):
@@ -112,6 +112,10 @@ class Verdicts:
         key, beyond = _beyond_trial_key(finalist), loss / tolerable - trial.tolerances_lost
         if key not in self.beyond_trial or beyond < self.beyond_trial[key][0]:
             self.beyond_trial[key] = (beyond, name)
+
+    def _trial(self, finalist: Finalist) -> Outcome | None:
+        """The outcome of the finalist's plan as a trial, eagerly; None where it was no trial."""
+        return self.runner.outcomes.get(plan_key(finalist.plan))
 
     def missed(self, finalist: Finalist) -> bool:
         """Whether `finalist`, or a twin computing what it does, was evaluated and missed (or eval_fn failed)."""
@@ -121,7 +125,7 @@ class Verdicts:
         """Warns where the model its trial scored, scored again now, lost otherwise by more than the tolerance: an
         eval_fn left with dropout on or sampling at random (a plan lost -0.01 in its trial, 0.08 here) makes every
         pass and fail chance."""
-        trial = self.runner.outcomes.get(plan_key(finalist.plan))
+        trial = self._trial(finalist)
         if (trial is None or finalist.engine != "eager" or finalist.knobs
                 or abs(loss - trial.loss) <= self.runner.config.tolerable_loss):
             return
