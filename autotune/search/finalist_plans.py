@@ -160,10 +160,12 @@ def without_outrun(runner: TrialRunner, uniform: dict[str, Plan], latency: dict[
     (bf16 where the CPU has them, fp16 on a GPU) stays: compiling can take it past a plan faster eagerly."""
     passing = [plan for key, outcome in runner.outcomes.items()
                if outcome.passed and not is_baseline(plan := plan_of_key(key))]
-    fastest = min(passing, key=lambda plan: _eager_ms(plan, latency), default=None)
+    if not passing:
+        return uniform
+    fastest = min(passing, key=lambda plan: _eager_ms(plan, latency))
     kept = dict(uniform)
     for dtype, plan in uniform.items():
-        if dtype == "int8" or fastest is None:   # int8: compiled kernels of its own (own_int8)
+        if dtype == "int8":   # compiled kernels of its own (own_int8)
             continue
         ms, fp32_ms = _eager_ms(plan, latency), _eager_ms({name: "fp32" for name in plan}, latency)
         ratio = ms / max(_eager_ms(fastest, latency), 1e-12)
