@@ -2134,6 +2134,29 @@ def test_a_dtype_no_faster_than_fp32_eagerly_and_far_slower_than_a_passing_plan_
     assert without_outrun(runner(0.005), uniform, latency) == uniform
 
 
+def test_inductor_gets_a_passing_trial_with_a_margin_where_its_fastest_lost_almost_the_whole_tolerance():
+    """Compiled, a bf16 plan rounds otherwise than eagerly: GLM-4's fastest trial, at a loss of 0.0095 (tolerance
+    0.01), missed compiled at 0.01025, and the run returned fp32 compiled where trials at 0.0073 and 0.0081 had
+    passed at 0.88x fp32's predicted time: none of those had been built."""
+    from types import SimpleNamespace
+
+    from autotune.engines import EagerEngine, InductorEngine
+    from autotune.search.finalist_plans import _fastest_worth_building
+
+    def trial(number, loss, dtype="bf16"):
+        return SimpleNamespace(number=number, user_attrs={"accuracy_loss": loss, "plan": {"a": dtype, "b": "fp32"}})
+    edge, spare, wider = trial(9, 0.0095), trial(8, 0.0081), trial(5, 0.0073)
+    chosen = _fastest_worth_building([edge, spare, wider], InductorEngine(), 0.01)
+    assert [t.number for t in chosen] == [9, 8]
+    clear = trial(9, 0.0085)
+    assert [t.number for t in _fastest_worth_building([clear, spare], InductorEngine(), 0.01)] == [9]
+    # the fastest without int8 keeps a margin already: it is the one to fall back on
+    int8, whole = trial(9, 0.0097, "int8"), trial(7, 0.006)
+    assert [t.number for t in _fastest_worth_building([int8, whole, spare], InductorEngine(), 0.01)] == [9, 7]
+    assert [t.number for t in _fastest_worth_building([edge, trial(4, 0.0099)], InductorEngine(), 0.01)] == [9]
+    assert len(_fastest_worth_building([edge, spare, wider, clear], EagerEngine(), 0.01)) == 3
+
+
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_compiled_finalists_are_compiled_for_the_grad_mode_eval_fn_calls_them_in(tmp_path, grad_mode):
     """A compiled model's graphs are made per autograd mode: finalists settled under inference_mode were compiled
