@@ -21,7 +21,7 @@ from autotune.backends.quantized import explicit_padding, plain_type, resolve_re
 from autotune.clone import clone
 from autotune.engines.base import Calibration, EngineUnavailable
 from autotune.engines.export import export, output_types_registered
-from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept
+from autotune.engines.frozen import FrozenCompiled, inductor_passes_kept, sums_kept_out_of_constants
 from autotune.engines.quiet import library_notes_dropped
 from autotune.engines.saved_graph import CallLayout, read_graph, write_graph
 from autotune.errors import describe
@@ -191,7 +191,9 @@ def _converted(fp32: nn.Module, plan: Plan, calibration: Calibration, as_conv2d:
         with torch.no_grad():
             for batch in calibration.batches:
                 call(prepared, batch)
-        return _without_unread_tensors(convert_pt2e(prepared))
+        converted = _without_unread_tensors(convert_pt2e(prepared))
+    sums_kept_out_of_constants(converted)    # in what is saved too: whoever compiles it freezes it
+    return converted
 
 
 @dataclass(frozen=True)
