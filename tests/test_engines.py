@@ -1896,6 +1896,51 @@ def test_a_compiled_finalist_that_compiles_again_at_every_call_is_left_out_with_
         kept["fp32"].runnable(x)   # settled: the race's calls compile nothing
 
 
+class Accumulating(nn.Module):
+    """A compiled model gone wrong: each call adds to a tensor it keeps, as inductor's int8 linear fused with an add
+    did to a folded constant (RoCBert, torch 2.13)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.register_buffer("kept", torch.zeros(()))
+
+    def forward(self, x):
+        self.kept += 1.0
+        return self.model(x) + self.kept
+
+
+class Sampling(nn.Module):
+    """A model whose forward draws noise (a VAE's reparameterisation): its calls differ by design, alike seeded."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out + torch.randn_like(out)
+
+
+def test_a_compiled_finalist_whose_two_calls_on_one_input_disagree_is_left_out(caplog):
+    """Evaluated once and served for ever, such a model is not the one its score was measured on."""
+    from types import SimpleNamespace
+
+    from autotune.measure.shapes import Shape
+    from autotune.search.finalists import BuildLimits, Finalist, _settled, _steady
+
+    x = torch.randn(4, 8)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    found = {name: Finalist({}, "inductor", net, wrapper(net), 1.0)
+             for name, wrapper in (("drifting", Accumulating), ("sampling", Sampling), ("steady", compile_model))}
+    runner = SimpleNamespace(shapes=[Shape("example", ((x,), {}), 1.0)], study=SimpleNamespace(user_attrs={}))
+    with caplog.at_level(logging.INFO, logger="autotune"):
+        kept = _steady(_settled(found, runner, BuildLimits(None)), runner)
+    assert set(kept) == {"sampling", "steady"}
+    assert ("drifting is left out: two calls on the same inputs gave outputs 0.") in caplog.text
+    assert "it keeps state that changes what it computes, and would not answer as it was evaluated" in caplog.text
+
+
 @torch.library.custom_op("autotune_tests::doubled", mutates_args=())
 def doubled(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autotune.backends.base import hooked_modules
-from autotune.capture import without_autograd
+from autotune.capture import detach_clone, without_autograd
 from autotune.engines import (
     CALLS_ITSELF,
     COMPILE_STATIC,
@@ -54,11 +54,13 @@ from autotune.search.trials import TrialRunner
 from autotune.search.verdicts import Verdicts
 from autotune.storage import study as studies
 from autotune.timeout import interrupted_after, said_while_running
+from autotune.tree import tensors
 
 log = logging.getLogger("autotune")
 
 ENGINE_TRIES = 2   # plans an engine fails on, with none built, before it is given up for the model
 SETTLE_PASSES = 4  # passes over the compiled finalists after their first calls, until none compiles any more
+CALLS_AGREE = 1e-3   # share of its outputs' scale within which a compiled finalist's two calls on one input agree
 HEAT_ROUNDS = 5    # most timing rounds of the heat that picks, in a compiling engine, the finalist for its knobs
 STILL_COMPILING_S = 60.0   # a compile running this long is said to be still running, and again each as long after
 FIRST_COMPILE_S = 5.0   # the least a compile takes, until an engine's first says how long its take: none starts
@@ -199,7 +201,7 @@ def finalists(runner: TrialRunner, verdicts: Verdicts, deadline: float | None = 
                                       verdicts))
     if dropped:
         studies.set_attr(runner.study, "engines_dropped", dropped)
-    found = _settled(found, runner, limits)
+    found = _steady(_settled(found, runner, limits), runner)
     cache.save_compiler_artefacts()
     studies.set_attr(runner.study, "finalist_setup_s", {name: round(f.setup_s, 3) for name, f in found.items()})
     return found
@@ -662,6 +664,43 @@ def _settled(found: dict[str, Finalist], runner: TrialRunner, limits: BuildLimit
             log.warning("%s is left out: %s", name, _recompiling(recompiled[name][-1]))
             del found[name]
     return found
+
+
+def _steady(found: dict[str, Finalist], runner: TrialRunner) -> dict[str, Finalist]:
+    """`found` without the compiled finalists whose two calls on one input disagree (_changing_between_calls)."""
+    for name, finalist in list(found.items()):
+        if finalist.runnable is not finalist.built and (changing := _changing_between_calls(finalist, runner)):
+            log.warning("%s is left out: %s", name, changing)
+            del found[name]
+    return found
+
+
+def _changing_between_calls(finalist: Finalist, runner: TrialRunner) -> str | None:
+    """Why a compiled finalist answers one input otherwise at each call, or None where two calls on copies of the
+    first shape's inputs, random ops seeded alike, agree to within CALLS_AGREE of the output's scale. Evaluated once
+    and served for ever, such a model is not the one its score was measured on: frozen, a RoCBert's int8 graph wrote
+    into a constant of its own at each call (until frozen.sums_kept_out_of_constants), and by the third its outputs
+    were 30 % of their scale off. A compiler's failure is not this check's to judge: the race meets it."""
+    outputs = []
+    try:
+        with as_eval_fn_calls(runner):
+            for _ in range(2):
+                with torch.random.fork_rng():
+                    torch.manual_seed(0)
+                    out = call(finalist.runnable, detach_clone(runner.shapes[0].inputs))
+                # copies: a CUDA graph's replay writes its next output where it wrote this one
+                outputs.append([t.detach().to(torch.float32, copy=True) for t in tensors(out)])
+    except Exception:   # noqa: BLE001 - compilers raise many kinds
+        return None
+    for first, second in zip(*outputs):
+        scale = float(first.abs().nan_to_num(posinf=0.0, neginf=0.0).max()) if first.numel() else 0.0
+        if first.shape != second.shape or not torch.allclose(first, second, rtol=0.0, atol=CALLS_AGREE * scale,
+                                                             equal_nan=True):
+            apart = float((first - second).abs().nan_to_num(nan=0.0).max()) if first.shape == second.shape else None
+            how = f"{apart / scale:.2g} of their scale apart" if apart is not None and scale > 0 else "apart"
+            return (f"two calls on the same inputs gave outputs {how}: it keeps state that changes what it "
+                    "computes, and would not answer as it was evaluated")
+    return None
 
 
 def _recompiling(message: str) -> str:
