@@ -2208,6 +2208,34 @@ def test_inductor_gets_a_passing_trial_with_a_margin_where_its_fastest_lost_almo
     assert len(_fastest_worth_building([edge, spare, wider, clear], EagerEngine(), 0.01)) == 3
 
 
+def test_the_best_passing_uniform_plan_of_a_dtype_left_out_as_unable_to_pay_is_no_finalist():
+    """On an AMX Xeon Seed-OSS's uniform fp16 plan, its modules no faster than fp32 eagerly, passed its trial at
+    1.04x fp32's time; as the best passing uniform plan it was compiled in the inductor and lowp engines (20 s), and
+    raced behind fp32 compiled, though uniform fp16 had been left out of the uniform finalists for that."""
+    from types import SimpleNamespace
+
+    import optuna
+
+    from autotune.engines import InductorEngine
+    from autotune.search.finalist_plans import finalist_plans
+    from autotune.search.space import SearchSpace
+
+    names = ["0", "1"]
+    space = SearchSpace.build({n: ["bf16", "fp16", "fp32"] for n in names},
+                              {n: {"bf16": 0.02, "fp16": 0.001, "fp32": 0.0} for n in names},
+                              {n: {"bf16": 0.4, "fp16": 0.98, "fp32": 1.0} for n in names})
+    study = optuna.create_study()
+    for plan, ratio in (({"0": "bf16", "1": "fp32"}, 0.7), ({"0": "fp16", "1": "fp16"}, 1.04)):
+        study.add_trial(optuna.trial.create_trial(value=ratio, user_attrs={
+            "plan": plan, "passed": True, "evaluated": True, "accuracy_loss": 0.001}))
+    runner = SimpleNamespace(study=study, space=space, fp32=nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                             config=SimpleNamespace(tolerable_loss=0.01))
+    bf16 = {"0": "bf16", "1": "bf16"}
+    assert set(finalist_plans(runner, InductorEngine(), {"bf16": bf16, "fp16": {"0": "fp16", "1": "fp16"}})) == {
+        "trial 0", "trial 1", "uniform bf16"}
+    assert set(finalist_plans(runner, InductorEngine(), {"bf16": bf16})) == {"trial 0", "uniform bf16"}
+
+
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_compiled_finalists_are_compiled_for_the_grad_mode_eval_fn_calls_them_in(tmp_path, grad_mode):
     """A compiled model's graphs are made per autograd mode: finalists settled under inference_mode were compiled
