@@ -51,7 +51,6 @@ class FrozenCompiled(nn.Module):
 
     def __init__(self, built: nn.Module, options: dict[str, Any] | None = None):
         super().__init__()
-        sums_kept_out_of_constants(built)    # a graph saved before the engine's build did so
         self.built = (built,)      # a reference, not a second registration of its parameters
         self.options = options     # inductor's, for every compile of this model
         self.frozen = compile_model(_Calls(built), options=options)

@@ -252,7 +252,15 @@ class CompiledEngine:
         quantised_ops_registered()
         output_types_registered()
         with open(path, "rb") as saved:
-            return read_graph(saved)
+            return _graph_read(saved)
+
+
+def _graph_read(saved) -> nn.Module:
+    """The graph `write_graph` wrote, with its adds of folded constants written as the build writes them (a graph
+    saved before the build did so: see frozen.sums_kept_out_of_constants)."""
+    graph = read_graph(saved)
+    sums_kept_out_of_constants(graph)
+    return graph
 
 
 def _may_hold_linear(built: nn.Module) -> bool:
@@ -325,6 +333,6 @@ def _loaded(exported: bytes, example, output_modules: list[str] = ()) -> SavedAs
         for name in output_modules:
             importlib.import_module(name)
     output_types_registered()
-    runnable = SavedAsExported(read_graph(io.BytesIO(exported)))
+    runnable = SavedAsExported(_graph_read(io.BytesIO(exported)))
     runnable.example = example
     return runnable
