@@ -121,8 +121,9 @@ def autotune(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: EvalFn
         tune_config: a TuningConfig, or a mapping of its fields.
         eval_fn: `eval_fn(model, *eval_args) -> number` scores a model (higher is better unless the config says
             otherwise).
-        example_inputs: inputs for latency measurement and calibration; by default the first batches run_fn, or
-            else eval_fn, gives the model are captured.
+        example_inputs: inputs for latency measurement and calibration (static int8 ranges, without run_fn, also
+            on eval_fn's first batches that call the model alike); by default the first batches run_fn, or else
+            eval_fn, gives the model are captured.
         eval_args: what eval_fn takes after the model, as INC's `eval_args`.
         run_fn: `run_fn(model, *run_args)` feeds the model calibration data, as INC's `run_fn`: static int8 is
             calibrated on its first batches (after example_inputs), and without example_inputs the model is timed
@@ -194,6 +195,8 @@ def start_runner(model: nn.Module, tune_config: TuningConfig | dict, eval_fn: Ev
     runner = TrialRunner(study, PlanClaims(storage, name), space, fp32, eval_fn, setup.batches[0], setup.calibration,
                          config, measurer, callbacks, setup.batches, setup.shapes)
     runner.eval_calls, runner.handed_state = setup.eval_calls, setup.handed_state
+    runner.example_alone = example_inputs is not None and run_fn is None
+    runner.fed(setup.fed)
     if setup.rescored is not None:
         runner.resumed_at(setup.rescored)
     if setup.measured_here:
@@ -269,6 +272,7 @@ class _Setup:
     handed_state: HandedState | None    # where the forward moves its buffers
     measured_here: bool = False         # this process measured the study's signals
     rescored: float | None = None       # the fp32 model's score as this process joined the study
+    fed: list[CallInputs] | None = None  # the first batches eval_fn fed the fp32 model as it was rescored
 
 
 def usable_device(device: torch.device) -> torch.device:
@@ -347,7 +351,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
             measurer: Measurer, first: bool = False) -> _Setup:
     """The inputs, and the per-module signals: measured and stored if the study lacks them (`first`). Where the
     study's baseline was scored before, by another process, the fp32 model is scored again (scores.rescored)."""
-    batches, eval_calls, device, score = None, 0, torch.device(config.device), None
+    batches, eval_calls, device, score, captured = None, 0, torch.device(config.device), None, None
     given, evaluated_here = example_inputs is not None or run_fn is not None, False
     if given:
         batches = example_or_batches(fp32, eval_fn, example_inputs, device, run_fn)
@@ -393,7 +397,7 @@ def _set_up(study, storage: RDBStorage, fp32: nn.Module, eval_fn: EvalFn, exampl
     calibration = {name: calibration_kept(fp32.get_submodule(name), candidates.get(name, []), inputs)
                    for name, inputs in calibration.items()}
     return _Setup(eval_calls, batches, candidates, calibration, shapes, sensitivity, latency,
-                  handed if moved else None, rescored=score)
+                  handed if moved else None, rescored=score, fed=captured)
 
 
 # A forward updating buffers in eval mode (an EMA of its inputs, a call counter): the tuner's own calls move them.

@@ -734,6 +734,21 @@ def test_a_length_export_fixes_where_the_model_takes_others_is_warned_of_and_a_c
         assert torch.allclose(free(x), model(x), atol=0.1)
 
 
+def test_a_calibration_batch_the_exported_graph_refuses_is_left_out_and_said(caplog):
+    """Batches after the first are eval_fn's where example_inputs were given; one at a length export fixed made the
+    whole engine fail to build, where the first batch's ranges stood."""
+    model = CausalMasked().eval()
+    batches = [((torch.randint(0, 50, (4, 12)),), {}), ((torch.randint(0, 50, (4, 12)),), {}),
+               ((torch.randint(0, 50, (4, 9)),), {})]
+    with caplog.at_level("INFO", logger="autotune"):
+        built = CompiledEngine().build(model, {"head": "int8"}, Calibration(batches, {}))
+    assert any("calibration batch 2 is left out: the graph exported on the first refuses it" in r.getMessage()
+               for r in caplog.records)
+    with torch.no_grad():
+        x = batches[1][0][0]
+        assert torch.allclose(built(x), model(x), atol=0.1)
+
+
 class RelativePositions(nn.Module):
     """Relative-position arithmetic as DeBERTa's: a float multiplied by an int64 `sign`."""
 

@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from autotune.backends import held_dtype
-from autotune.capture import example_or_batches, record_module_inputs
+from autotune.capture import eval_fn_batches, example_or_batches, record_module_inputs, with_fed_batches
 from autotune.cli.base import (
     CliError,
     load_study,
@@ -40,6 +40,7 @@ from autotune.engines import (
     ENTRIES,
     KNOBS,
     Calibration,
+    get_engine,
     realise,
     with_knobs,
 )
@@ -372,11 +373,16 @@ def read_plan(path: str) -> SavedPlan:
                      exported.get("compile_static") is True, shapes)
 
 
-def calibration_batches(config: FileConfig, model: torch.nn.Module) -> list:
-    """The batches the tuning calibrated on: the config's example inputs, then its run_fn's first batches; else the
-    first batches its eval_fn feeds the model."""
-    return example_or_batches(clone(model), config.evaluation.build(), config.build_example_inputs(),
-                              torch.device(config.tuning.device), config.build_run_fn())
+def tuning_batches(config: FileConfig, model: torch.nn.Module, engine: str) -> tuple[list, list]:
+    """The batches the tuning timed the model on: the config's example inputs, then its run_fn's first batches;
+    else the first batches its eval_fn feeds the model. With them, those it built `engine`'s finalists from: the
+    same, but for example inputs without run_fn where the engine calibrates static ranges, which are followed by
+    eval_fn's first batches called alike (capture.with_fed_batches), as TrialRunner.calibration_batches."""
+    eval_fn, example, run_fn = config.evaluation.build(), config.build_example_inputs(), config.build_run_fn()
+    batches = example_or_batches(clone(model), eval_fn, example, torch.device(config.tuning.device), run_fn)
+    if example is not None and run_fn is None and get_engine(engine).calibrates_on_batches:
+        return batches, with_fed_batches(batches, eval_fn_batches(clone(model), eval_fn))
+    return batches, batches
 
 
 @main.command(name="apply")
@@ -435,11 +441,11 @@ def apply_saved_plan(config: FileConfig, plan_path: str) -> AppliedPlan:
     for knob, reason in ((knob, KNOBS[knob].supports(model)) for knob in knobs):
         if reason is not None:   # e.g. a plan tuned on a GPU, applied to a model configured for the CPU
             raise CliError(f"{plan_path}: knob {knob} does not apply to this model: {reason}")
-    batches = calibration_batches(config, model)
+    batches, calibrating = tuning_batches(config, model, engine)
     if saved.compile_in_place:
         setattr(model, ENTRIES, entry_paths(batches))   # generate's encoder, compiled in place as tuning did
     lowered = [name for name, dtype in plan.items() if dtype != "fp32"]
-    calibration = Calibration(batches, record_module_inputs(model, lowered, batches[0]))
+    calibration = Calibration(calibrating, record_module_inputs(model, lowered, batches[0]))
     built = realise(with_knobs(model, knobs), plan, engine, calibration)
     if saved.compile_static:
         setattr(built, COMPILE_STATIC, True)

@@ -172,6 +172,7 @@ class Engine(Protocol):
     keeps_model: bool    # whether what runs is the model's own class, its methods (generate) reaching the plan
     lowers_unplanned: bool   # whether modules outside the plan run in its low dtype too (lowp: the whole model)
     compiles_static_when_marked: bool   # whether `runnable` compiles a model marked COMPILE_STATIC shape by shape
+    calibrates_on_batches: bool   # whether its build takes static ranges from Calibration.batches (all of them)
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         """Why this engine cannot realise `plan` on the model `fp32`, or None if it can."""

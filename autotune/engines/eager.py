@@ -17,6 +17,7 @@ class EagerEngine:
     keeps_model: bool = True
     lowers_unplanned: bool = False
     compiles_static_when_marked: bool = False
+    calibrates_on_batches: bool = False
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         return None

@@ -69,6 +69,7 @@ class LowPrecisionEngine:
     keeps_model: bool = True
     lowers_unplanned: bool = True
     compiles_static_when_marked: bool = True
+    calibrates_on_batches: bool = False
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         lowered = set(plan.values()) - {"fp32"}

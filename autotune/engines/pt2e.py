@@ -189,8 +189,13 @@ def _converted(fp32: nn.Module, plan: Plan, calibration: Calibration, as_conv2d:
         warnings.simplefilter("ignore")      # torchao warns of APIs it will change, on every call
         prepared = _prepared(fp32, calibration.batches, quantizer)
         with torch.no_grad():
-            for batch in calibration.batches:
-                call(prepared, batch)
+            call(prepared, calibration.batches[0])
+            for index, batch in enumerate(calibration.batches[1:], 1):
+                try:
+                    call(prepared, batch)
+                except Exception as exc:  # noqa: BLE001 - a size the graph fixed (a `len(x)`): its ranges go
+                    log.info("calibration batch %d is left out: the graph exported on the first refuses it (%s)",
+                             index, describe(exc, 160))
         converted = _without_unread_tensors(convert_pt2e(prepared))
     sums_kept_out_of_constants(converted)    # in what is saved too: whoever compiles it freezes it
     return converted
@@ -202,6 +207,7 @@ class CompiledEngine:
     keeps_model: bool = False   # an exported graph: the model's methods are not on it
     lowers_unplanned: bool = False
     compiles_static_when_marked: bool = False   # frozen.py compiles per shape where a dynamic batch fails
+    calibrates_on_batches: bool = True
 
     def unsupported(self, plan: Plan, fp32: nn.Module) -> str | None:
         other = sorted(set(plan.values()) - REALISED)

@@ -167,7 +167,7 @@ def finalists(runner: TrialRunner, verdicts: Verdicts, deadline: float | None = 
     run. The engines build a finalist each in turn (_build_in_turns); the eager engine's compile nothing, and are
     never stopped. A finalist evaluated as they are built goes into `verdicts`, as the winner's choice's are."""
     limits = BuildLimits(deadline, BuildMemory(weight_bytes(runner.fp32)))
-    calibration = Calibration(runner.batches, runner.calibration, runner.variants)
+    calibration = Calibration(runner.calibration_batches, runner.calibration, runner.variants)
     cache = _compile_cache(runner, any(engine != "eager" for engine in runner.config.engines))
     latency = studies.get_attr(runner.study, "module_latency_ms")
     candidates = {name: list(costs) for name, costs in latency.items()}   # the modules tuned, each dtype timed
@@ -221,7 +221,7 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
     compiling = engine != "eager"
     limits = BuildLimits(None, static={engine: True} if static else {},
                          first_s={engine: setup_s} if setup_s else {}, first_said="its build when the study was tuned")
-    calibration = Calibration(runner.batches, runner.calibration, runner.variants)
+    calibration = Calibration(runner.calibration_batches, runner.calibration, runner.variants)
     finalist = _ready(get_engine(engine), plan, runner, calibration, _compile_cache(runner, compiling), knobs,
                       name=name, compiling=limits if compiling else None)
     if not _settled({name: finalist}, runner, limits):
@@ -232,7 +232,7 @@ def rebuilt(runner: TrialRunner, plan: Plan, engine: str, knobs: tuple[str, ...]
 def _compile_cache(runner: TrialRunner, compiling: bool) -> CompileCache:
     """The study's compile cache (none where no engine compiles), its compiler artefacts loaded."""
     cache = CompileCache.for_study(runner.config.compile_cache if compiling else None, runner.study.study_name,
-                                   studies.built_from(runner.study, runner.fp32, runner.batches))
+                                   studies.built_from(runner.study, runner.fp32, runner.calibration_batches))
     cache.load_compiler_artefacts()
     return cache
 
@@ -492,7 +492,7 @@ def _with_knobs(engine: Engine, knobs: list[str], base: tuple[str, Plan], runner
             log.info("%s is not built: %s", name, below)
             continue
         # Lowered modules are built afresh: the runner's reusable ones were lowered from the model without it.
-        calibration = Calibration(runner.batches, runner.calibration)
+        calibration = Calibration(runner.calibration_batches, runner.calibration)
         try:
             found[name] = _ready(engine, base[1], runner, calibration, cache, (knob.name,), name=name,
                                  compiling=compiling)

@@ -24,7 +24,10 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from torch import nn
 
 from autotune.backends import CallInputs, held_dtype
+from autotune.capture import eval_fn_batches, with_fed_batches
+from autotune.clone import clone
 from autotune.config.tuning import TuningConfig
+from autotune.engines import get_engine
 from autotune.errors import describe
 from autotune.measure.measurer import Measurer, latency_by_shape, ratios_to_fp32
 from autotune.measure.shapes import Shape, weighted_ratio
@@ -112,7 +115,11 @@ class TrialRunner:
         self.rescored: bool | None = None      # whether the fp32 model scored otherwise as this process joined
         self.measurer = measurer
         self.shapes = shapes or [Shape("example", inputs, 1.0)]   # where latency is measured, weighted
-        self.batches = batches or [inputs]     # whole-model batches for static ranges (the compiled engine)
+        self.batches = batches or [inputs]     # whole-model batches: timed, and calibrating static ranges
+        # Where `batches` are the example_inputs alone (`example_alone`), static ranges are calibrated on them and
+        # then eval_fn's first batches (`calibration_batches`): those the fp32 call this process made fed it.
+        self.example_alone, self._fed = False, None
+        self._calibration_batches: list[CallInputs] | None = None
         self.callbacks = [*callbacks, self._keep_last]
         self.variants: dict[tuple[str, str], nn.Module] = {}   # lowered modules, reused by apply_plan
         self.outcomes: dict[str, Outcome] = {}
@@ -139,7 +146,28 @@ class TrialRunner:
             self._baseline, evaluated_here = study_baseline(self.study, self.claims.storage, self.fp32,
                                                             self.eval_fn, self.config)
             self.eval_calls += evaluated_here is not None
+            self.fed(evaluated_here)
         return self._baseline
+
+    def fed(self, batches: list[CallInputs] | None) -> None:
+        """Keeps the first batches an eval_fn call on the fp32 model fed it (None: it made none here), for
+        `calibration_batches` where the example_inputs are all it has."""
+        if self.example_alone and self._fed is None and batches is not None:
+            self._fed = batches
+
+    @property
+    def calibration_batches(self) -> list[CallInputs]:
+        """The whole-model batches the finalists are built from: `batches`, followed, where they are the
+        example_inputs alone and an engine of the run calibrates static ranges on them, by eval_fn's first batches
+        called alike (capture.with_fed_batches), as `autotune apply` calibrates. Where this process scored no fp32
+        model (another worker did, as it joined), eval_fn is started for them and abandoned: one call, cut short."""
+        if self._calibration_batches is None:
+            fed = self.example_alone and any(get_engine(name).calibrates_on_batches for name in self.config.engines)
+            if fed and self._fed is None:
+                self.eval_calls += 1
+                self._fed = eval_fn_batches(clone(self.fp32), self.eval_fn)
+            self._calibration_batches = with_fed_batches(self.batches, self._fed) if fed else self.batches
+        return self._calibration_batches
 
     def resumed_at(self, score: float) -> None:
         """Judges what this process evaluates against `score`: the fp32 model's as it joined the study, on eval_fn's
