@@ -17,7 +17,7 @@ from autotune.backends.base import CallInputs
 from autotune.config.tuning import LatencyInput
 from autotune.errors import ConfigError, EvalFunctionError, describe
 from autotune.fused_paths import children_called_as_modules
-from autotune.model_call import ModelCall, call, entries_of, linked, snapshot
+from autotune.model_call import ModelCall, call, entries_of, linked, same_values, snapshot
 from autotune.tree import map_tensors, tensors
 
 log = logging.getLogger("autotune")
@@ -341,7 +341,7 @@ def eval_fn_batches(model: nn.Module, eval_fn: Callable[[nn.Module], Any]) -> li
 
 
 def _called_alike(first: CallInputs, other: CallInputs) -> bool:
-    if entries_of(other) or not (isinstance(other, tuple) and len(other) == 2):
+    if entries_of(other):
         return False
     ours, theirs = (first[0], first[1]), (other[0], other[1])
     try:
@@ -355,7 +355,7 @@ def _called_alike(first: CallInputs, other: CallInputs) -> bool:
 
 
 def _the_same(first: CallInputs, other: CallInputs) -> bool:
-    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors(first), tensors(other)))
+    return all(same_values(a, b) for a, b in zip(tensors(first), tensors(other)))
 
 
 def example_or_batches(model: nn.Module, eval_fn: Callable[[nn.Module], Any], example_inputs: Any,

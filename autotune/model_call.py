@@ -154,13 +154,14 @@ def copied_per_call(batches: list[CallInputs], probe: CallInputs) -> list[CallIn
     the tensors it was given in place: `probe` is a copy of the first batch that the model was called on once, and
     compared with it (left as they are, the recorded inputs drifted call by call: a forward normalising its
     input in place drove it to inf, and every module lowered was judged to lose the output)."""
-    if all(_same(after, before) for after, before in zip(tensors(probe), tensors(batches[0]))):
+    if all(same_values(after, before) for after, before in zip(tensors(probe), tensors(batches[0]))):
         return batches
     return [ModelCall((batch[0], batch[1]), entries_of(batch), getattr(batch, "links", {}), changes_inputs=True)
             for batch in batches]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold the same values (NaN where the other has NaN), in the same shape and dtype."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))

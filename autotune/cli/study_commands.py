@@ -379,9 +379,10 @@ def tuning_batches(config: FileConfig, model: torch.nn.Module, engine: str) -> t
     same, but for example inputs without run_fn where the engine calibrates static ranges, which are followed by
     eval_fn's first batches called alike (capture.with_fed_batches), as TrialRunner.calibration_batches."""
     eval_fn, example, run_fn = config.evaluation.build(), config.build_example_inputs(), config.build_run_fn()
-    batches = example_or_batches(clone(model), eval_fn, example, torch.device(config.tuning.device), run_fn)
+    copy = clone(model)    # what eval_fn and run_fn are handed: a call may change it
+    batches = example_or_batches(copy, eval_fn, example, torch.device(config.tuning.device), run_fn)
     if example is not None and run_fn is None and get_engine(engine).calibrates_on_batches:
-        return batches, with_fed_batches(batches, eval_fn_batches(clone(model), eval_fn))
+        return batches, with_fed_batches(batches, eval_fn_batches(copy, eval_fn))
     return batches, batches
 
 
